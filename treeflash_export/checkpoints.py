@@ -1,0 +1,219 @@
+"""Loading verifiers and drafters from local folders or hub ids, and validating the pair.
+
+Drafter layouts:
+- TreeFlash: ``model.layers.*``, ``model.fc``, ``model.hidden_norm``, ``model.norm`` and,
+  with a head, ``ar_approximation.{ug,d,norm}``.
+- DFlash: the same backbone without the ``model.`` prefix and without a head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import DrafterConfig
+from .errors import CheckpointError
+
+SUPPORTED_VERIFIERS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown dtype {name!r}; choose one of float32, float16, bfloat16") from None
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike, what: str) -> Path:
+    """A local folder, or a hub id found in the local cache (downloaded when the network allows)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{what} folder {path} has no config.json; is it a Hugging Face checkpoint?")
+        return path
+    text = str(name_or_path)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise CheckpointError(f"{what} {text!r} is not a folder and not a hub id of the form owner/name")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        raise CheckpointError(
+            f"{what} {text!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+            f"download it first with `huggingface-cli download {text}` or pass a local folder"
+        )
+    try:
+        return Path(snapshot_download(text))
+    except Exception as exc:  # network failures, unknown repos, gated repos
+        raise CheckpointError(
+            f"{what} {text!r} is not cached locally and could not be downloaded ({type(exc).__name__}); "
+            f"run `huggingface-cli download {text}` on a machine with network access, or pass a local folder"
+        ) from None
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {folder / 'config.json'}: {exc}") from None
+
+
+def load_verifier(folder: Path, *, dtype: torch.dtype, device: str | torch.device):
+    """The Hugging Face causal LM (eval mode, no grad) from a resolved folder."""
+    model_type = _read_config(folder).get("model_type")
+    if model_type not in SUPPORTED_VERIFIERS:
+        raise CheckpointError(
+            f"verifier model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_VERIFIERS)}"
+        )
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    except Exception as exc:
+        raise CheckpointError(f"cannot load verifier from {folder}: {type(exc).__name__}: {exc}") from None
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load a tokenizer from {folder}: {type(exc).__name__}: {exc}") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"drafter folder {folder} has no model.safetensors (or sharded index)")
+
+
+def read_drafter_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(folder):
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:
+            raise CheckpointError(f"cannot read drafter weights {f}: {exc}") from None
+    return state
+
+
+def normalise_drafter_keys(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+    """Map either released layout onto the TreeFlash key names; returns (state, layout)."""
+    if any(k.startswith("model.layers.") for k in state):
+        return state, "treeflash"
+    if any(k.startswith("layers.") for k in state):
+        return {f"model.{k}": v for k, v in state.items()}, "dflash"
+    sample = ", ".join(sorted(state)[:3])
+    raise CheckpointError(
+        f"unknown drafter layout (expected keys under 'model.layers.' or 'layers.', found e.g. {sample})"
+    )
+
+
+def load_drafter(folder: Path, *, dtype: torch.dtype, device: str | torch.device):
+    """(TreeFlashDrafter, DrafterConfig, layout) with strict key checking."""
+    from transformers import AutoConfig
+
+    from .models import TreeFlashDrafter
+
+    try:
+        hf_cfg = AutoConfig.from_pretrained(folder)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read drafter config in {folder}: {exc}") from None
+    cfg = DrafterConfig.from_hf(hf_cfg)
+    state, layout = normalise_drafter_keys(read_drafter_state(folder))
+    if layout == "dflash" and cfg.has_head:
+        raise CheckpointError("drafter config asks for an AR-approximation head but the weights are in the "
+                              "DFlash layout, which has none")
+    model = TreeFlashDrafter(cfg)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
+        raise CheckpointError(f"drafter weights in {folder} do not match its config: " + "; ".join(parts))
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False), cfg, layout
+
+
+def validate_pair(verifier_cfg: Any, drafter: DrafterConfig) -> None:
+    """Checks that need both models; each failure is one line naming both values."""
+    vh, vv = int(verifier_cfg.hidden_size), int(verifier_cfg.vocab_size)
+    vl = int(verifier_cfg.num_hidden_layers)
+    if drafter.hidden_size != vh:
+        raise CheckpointError(f"hidden size mismatch: drafter {drafter.hidden_size}, verifier {vh}")
+    if drafter.vocab_size != vv:
+        raise CheckpointError(f"vocabulary size mismatch: drafter {drafter.vocab_size}, verifier {vv}")
+    if drafter.num_target_layers is not None and drafter.num_target_layers != vl:
+        raise CheckpointError(
+            f"layer count mismatch: drafter was trained on a {drafter.num_target_layers}-layer verifier, "
+            f"this verifier has {vl}"
+        )
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < vl]
+    if bad:
+        raise CheckpointError(
+            f"target_layer_ids {list(drafter.target_layer_ids)} out of range: verifier has layers 0..{vl - 1}"
+        )
+    if not 0 <= drafter.mask_token_id < vv:
+        raise CheckpointError(f"mask_token_id {drafter.mask_token_id} out of range: verifier vocabulary is {vv}")
+
+
+@dataclass
+class LoadedPair:
+    verifier: Any  # Hugging Face causal LM
+    drafter: Any  # TreeFlashDrafter or None (plain decoding)
+    drafter_cfg: DrafterConfig | None
+    tokenizer: Any
+    verifier_path: Path
+    drafter_path: Path | None
+    drafter_layout: str | None
+
+
+def load_pair(model: str, drafter: str | None, *, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu", need_tokenizer: bool = True) -> LoadedPair:
+    """Resolve, validate configs first (no weights touched), then load both models."""
+    vpath = resolve_checkpoint(model, "verifier")
+    dpath = resolve_checkpoint(drafter, "drafter") if drafter else None
+    from transformers import AutoConfig
+
+    try:
+        vcfg = AutoConfig.from_pretrained(vpath)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read verifier config in {vpath}: {exc}") from None
+    dcfg = None
+    if dpath is not None:
+        try:
+            dcfg = DrafterConfig.from_hf(AutoConfig.from_pretrained(dpath))
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"cannot read drafter config in {dpath}: {exc}") from None
+        validate_pair(vcfg, dcfg)
+    tok = load_tokenizer(vpath) if need_tokenizer else None
+    verifier = load_verifier(vpath, dtype=dtype, device=device)
+    dmodel, layout = None, None
+    if dpath is not None:
+        dmodel, dcfg, layout = load_drafter(dpath, dtype=dtype, device=device)
+    return LoadedPair(verifier, dmodel, dcfg, tok, vpath, dpath, layout)

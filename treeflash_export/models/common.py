@@ -1,0 +1,40 @@
+"""Small pieces shared by the verifier wrapper and the drafter: RoPE, attention, cache writes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, n, d]; cos/sin: [n, d] (the Hugging Face rotate-half convention)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention with a boolean mask (True = attend).
+
+    q: [hq, n, d]; k, v: [hkv, s, d]; mask: [n, s] -> [n, hq * d].
+    Every query row must see at least one key (each sees itself in all our uses).
+    """
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=0)
+        v = v.repeat_interleave(groups, dim=0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def write_slots(cache: torch.Tensor, start, values: torch.Tensor) -> None:
+    """cache: [heads, S, d]; writes values [heads, n, d] into slots start..start+n-1 in place."""
+    n = values.shape[1]
+    if isinstance(start, int):
+        cache[:, start : start + n] = values
+    else:
+        slots = start + torch.arange(n, device=values.device)
+        cache.index_copy_(1, slots, values)

@@ -1,0 +1,202 @@
+"""The tree algebra: transition tables -> a fixed-shape draft tree.
+
+Everything here is a pure function of tensors, so the same code runs in the
+PyTorch backend and traces into a static-shape graph.
+
+Transition tables (D = B - 1 depths, M parent rows, K children per row):
+    tokens   [D, M, K] int64  child token at block position d+1 for parent row m, best first
+    logprobs [D, M, K] float  its drafter log-probability given that parent (sorted descending)
+    next_row [D, M, K] int64  row of depth d+1 that holds this child's own children; -1 = leaf
+Row 0 of depth 0 is the root's row (every row of depth 0 has the root as parent).
+
+A tree of N nodes (root included) is the prefix-closed set of the N-1 best
+paths under path score = sum of logprobs. Ties are broken by a fixed total
+order: (score desc, depth asc, parent's order asc, rank asc). It is monotone
+along edges (a parent precedes its children, rank r precedes rank r+1), so the
+best-first heap and the depth-synchronous beam below pick the same nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tables:
+    tokens: torch.Tensor  # [D, M, K] int64
+    logprobs: torch.Tensor  # [D, M, K] float32, descending along K
+    next_row: torch.Tensor  # [D, M, K] int64, -1 = leaf
+
+
+@dataclass(frozen=True)
+class Tree:
+    """N nodes, parents before children; node 0 is the root.
+
+    tokens  [N] int64   node tokens (the root's token first; padding nodes hold 0)
+    parents [N] int64   parent index, -1 for the root
+    depths  [N] int64   0 for the root; position id = P + depth (siblings share a position)
+    mask    [N, N] bool ancestor-or-self: mask[a, b] = b is on the path root..a
+    valid   [N] bool    False for padding nodes (when fewer than N-1 drafts exist); never accepted
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def link_next_rows(child_tokens: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """next_row for TreeFlash tables.
+
+    child_tokens [D, M, K]; candidates [D, M] = the top-M marginal tokens of block
+    positions 0..D-1 (position 0's candidates are unused: its parent is the root).
+    next[d, m, k] = index of child_tokens[d, m, k] in candidates[d + 1], or -1; the last depth is all -1.
+    """
+    D = child_tokens.shape[0]
+    hits = child_tokens[:-1, :, :, None] == candidates[1:, None, None, :]  # [D-1, M, K, M]
+    idx = torch.where(hits.any(-1), hits.int().argmax(-1), torch.full_like(child_tokens[:-1], -1))
+    last = torch.full_like(child_tokens[:1], -1)
+    return torch.cat([idx, last], dim=0) if D > 1 else last
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[N] parent indices (root -1) -> [N, N] ancestor-or-self mask, by pointer jumping."""
+    n = parents.shape[0]
+    rows = torch.arange(n, device=parents.device)
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    cur = parents
+    for _ in range(max_depth):
+        hit = cur >= 0
+        mask[rows[hit], cur[hit]] = True
+        cur = torch.where(hit, parents[cur.clamp(min=0)], cur)
+    return mask
+
+
+def build_tree(tables: Tables, root_token, tree_size: int) -> Tree:
+    """Depth-synchronous beam of width N-1: exactly the best-first tree, in fixed shapes.
+
+    Per depth keep the best N-1 children of the previous depth's beam, then take
+    the global best N-1 over all depths. Nodes come out depth by depth, so parents
+    precede children.
+    """
+    tok, lp, nxt = tables.tokens, tables.logprobs.float(), tables.next_row
+    D, M, K = tok.shape
+    W = tree_size - 1
+    dev = tok.device
+    neg_inf = torch.tensor(-math.inf, device=dev)
+
+    def topw(scores, *payload):
+        # Stable sort keeps the flattened (parent slot, rank) order among equal scores.
+        order = torch.sort(scores, descending=True, stable=True).indices
+        if order.shape[0] < W:
+            pad = W - order.shape[0]
+            scores = torch.cat([scores, neg_inf.expand(pad)])
+            payload = [torch.cat([p, p.new_zeros(pad)]) for p in payload]
+            order = torch.cat([order, torch.arange(order.shape[0], W, device=dev)])
+        order = order[:W]
+        return (scores[order], *[p[order] for p in payload])
+
+    # Depth 1: the root's children (row 0 of depth 0).
+    score, token, row, slot = topw(lp[0, 0], tok[0, 0], nxt[0, 0], torch.zeros(K, dtype=torch.long, device=dev))
+    all_score, all_token, all_slot = [score], [token], [slot]
+    for d in range(1, D):
+        parent_ok = torch.isfinite(score) & (row >= 0)
+        r = row.clamp(min=0)
+        child = torch.where(parent_ok[:, None], score[:, None] + lp[d, r], neg_inf)  # [W, K]
+        parent_slot = torch.arange(W, device=dev)[:, None].expand(W, K)
+        score, token, row, slot = topw(child.reshape(-1), tok[d, r].reshape(-1), nxt[d, r].reshape(-1),
+                                       parent_slot.reshape(-1))
+        all_score.append(score)
+        all_token.append(token)
+        all_slot.append(slot)
+
+    flat_score = torch.cat(all_score)  # [D*W], depth-major
+    flat_token = torch.cat(all_token)
+    flat_slot = torch.cat(all_slot)
+    flat_depth = torch.arange(1, D + 1, device=dev).repeat_interleave(W)
+    chosen = torch.sort(flat_score, descending=True, stable=True).indices[:W]
+    chosen = torch.sort(chosen).values  # depth-major order: parents before children
+    node_of = torch.zeros(D * W, dtype=torch.long, device=dev)
+    node_of[chosen] = torch.arange(1, W + 1, device=dev)
+
+    valid = torch.isfinite(flat_score[chosen])
+    depth = flat_depth[chosen]
+    parent_flat = (depth - 2) * W + flat_slot[chosen]
+    parent = torch.where(depth > 1, node_of[parent_flat.clamp(min=0)], torch.zeros_like(depth))
+    parent = torch.where(valid, parent, torch.zeros_like(parent))
+    depth = torch.where(valid, depth, torch.ones_like(depth))
+    token = torch.where(valid, flat_token[chosen], torch.zeros_like(depth))
+
+    root = torch.as_tensor(root_token, dtype=torch.long, device=dev).reshape(1)
+    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), parent])
+    return Tree(
+        tokens=torch.cat([root, token]),
+        parents=parents,
+        depths=torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth]),
+        mask=ancestor_mask(parents, D),
+        valid=torch.cat([torch.ones(1, dtype=torch.bool, device=dev), valid]),
+    )
+
+
+def chain_tree(tokens: torch.Tensor) -> Tree:
+    """A path: tokens [n] with tokens[0] the root (prefill and plain decoding use this)."""
+    n = tokens.shape[0]
+    idx = torch.arange(n, device=tokens.device)
+    return Tree(
+        tokens=tokens,
+        parents=idx - 1,
+        depths=idx,
+        mask=idx[:, None] >= idx[None, :],
+        valid=torch.ones(n, dtype=torch.bool, device=tokens.device),
+    )
+
+
+def best_first_paths(tables: Tables, tree_size: int) -> list[tuple[int, ...]]:
+    """Reference best-first (heap) assembly, in plain Python; returns token paths (root excluded).
+
+    Same total order as build_tree: (score desc, depth, parent's pop index, rank).
+    Used by tests to check the fixed-shape beam.
+    """
+    tok = tables.tokens.tolist()
+    lp = tables.logprobs.double().tolist()
+    nxt = tables.next_row.tolist()
+    D, K = len(tok), len(tok[0][0])
+    # entry: (-score, depth, parent pop index, rank, row, parent score, parent path)
+    heap = []
+    if math.isfinite(lp[0][0][0]):
+        heap.append((-lp[0][0][0], 1, 0, 0, 0, 0.0, ()))
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < tree_size - 1:
+        neg, depth, ppop, rank, row, pscore, ppath = heapq.heappop(heap)
+        d = depth - 1
+        path = ppath + (tok[d][row][rank],)
+        out.append(path)
+        me = len(out)  # pop index of this node (root = 0)
+        if rank + 1 < K:
+            s = pscore + lp[d][row][rank + 1]
+            if math.isfinite(s):
+                heapq.heappush(heap, (-s, depth, ppop, rank + 1, row, pscore, ppath))
+        child_row = nxt[d][row][rank]
+        if depth < D and child_row >= 0:
+            s = -neg + lp[depth][child_row][0]
+            if math.isfinite(s):
+                heapq.heappush(heap, (-s, depth + 1, me, 0, child_row, -neg, path))
+    return out
+
+
+def tree_paths(tree: Tree) -> list[tuple[int, ...]]:
+    """Token paths (root excluded) of a tree's valid non-root nodes, in node order."""
+    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    paths: list[tuple[int, ...]] = [()]
+    for a in range(1, len(tokens)):
+        paths.append(paths[parents[a]] + (tokens[a],))
+    return [paths[a] for a in range(1, len(tokens)) if valid[a]]
