@@ -40,7 +40,8 @@ class Tree:
     parents [N] int64   parent index, -1 for the root
     depths  [N] int64   0 for the root; position id = P + depth (siblings share a position)
     mask    [N, N] bool ancestor-or-self: mask[a, b] = b is on the path root..a
-    valid   [N] bool    False for padding nodes (when fewer than N-1 drafts exist); never accepted
+    valid   [N] bool    False for padding nodes (when fewer than N-1 drafts exist); they come last,
+                        hang under the root and are never accepted
     """
 
     tokens: torch.Tensor
@@ -124,7 +125,9 @@ def build_tree(tables: Tables, root_token, tree_size: int) -> Tree:
     flat_slot = torch.cat(all_slot)
     flat_depth = torch.arange(1, D + 1, device=dev).repeat_interleave(W)
     chosen = torch.sort(flat_score, descending=True, stable=True).indices[:W]
-    chosen = torch.sort(chosen).values  # depth-major order: parents before children
+    # Depth-major order puts parents before children; padding (-inf) nodes go last.
+    late = (~torch.isfinite(flat_score[chosen])).long() * (D * W)
+    chosen = chosen[torch.sort(chosen + late).indices]
     node_of = torch.zeros(D * W, dtype=torch.long, device=dev)
     node_of[chosen] = torch.arange(1, W + 1, device=dev)
 

@@ -1,0 +1,157 @@
+"""The round loop: draft -> expand -> build tree -> verify -> accept -> commit.
+
+Bookkeeping per round (P = committed length, i.e. tokens whose verifier KV is final):
+- ``root`` is the last emitted token, not yet in the verifier cache; it is node 0
+  of the tree at position P.
+- the drafter context gains the verifier features of the tokens committed in the
+  previous round (positions ctx_start..P-1).
+- after acceptance, the path root..b* (tau = depth(b*) + 1 nodes) is committed to
+  slots P..P+tau-1, its drafted tokens plus the bonus y[b*] are emitted, and the
+  bonus becomes the next root.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_export.errors import ConfigError
+from treeflash_export.tree import chain_tree
+
+from .backends.base import Runner
+from .sampling import accept, choose_tokens
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    backend: str
+    prompt_tokens: int = 0
+    rounds: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens gained per round
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    elapsed_s: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(mean_accepted=self.mean_accepted, tokens_per_s=self.tokens_per_s)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    stats: GenerationStats
+    stop_reason: str  # "stop_token" | "max_new_tokens"
+
+
+def required_capacity(prompt_len: int, max_new_tokens: int, tree_size: int) -> int:
+    """Cache slots needed: the last round starts at P <= prompt + max_new - 1 and writes N tree slots."""
+    return prompt_len + max_new_tokens - 1 + max(tree_size, 1)
+
+
+def check_capacity(runner: Runner, prompt_len: int, sampling: SamplingConfig, tree: TreeConfig) -> None:
+    if prompt_len < 1:
+        raise ConfigError("the prompt is empty")
+    S = runner.capacity
+    if prompt_len > S:
+        raise ConfigError(f"the prompt is {prompt_len} tokens but the cache holds {S}: "
+                          f"shorten the prompt or raise --max-seq-len")
+    need = required_capacity(prompt_len, sampling.max_new_tokens, tree.tree_size)
+    if need > S:
+        raise ConfigError(
+            f"prompt ({prompt_len}) + max new tokens ({sampling.max_new_tokens}) + tree ({tree.tree_size}) "
+            f"needs {need} cache slots but the cache holds {S}: lower --max-new-tokens or raise --max-seq-len"
+        )
+
+
+class _Emitter:
+    """Collects emitted tokens, applies stop tokens and the token budget, and streams."""
+
+    def __init__(self, sampling: SamplingConfig, on_tokens: Callable[[list[int]], None] | None):
+        self.tokens: list[int] = []
+        self.stop = set(sampling.stop_token_ids)
+        self.budget = sampling.max_new_tokens
+        self.on_tokens = on_tokens
+        self.reason = ""
+
+    def emit(self, new: list[int]) -> bool:
+        """Returns True when generation must end."""
+        take = []
+        for t in new:
+            take.append(t)
+            if t in self.stop:
+                self.reason = "stop_token"
+                break
+            if len(self.tokens) + len(take) >= self.budget:
+                self.reason = "max_new_tokens"
+                break
+        self.tokens.extend(take)
+        if self.on_tokens is not None and take:
+            self.on_tokens(take)
+        return bool(self.reason)
+
+
+def generate(
+    runner: Runner,
+    prompt_ids: list[int] | torch.Tensor,
+    tree: TreeConfig,
+    sampling: SamplingConfig,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Speculative (or, with mode 'ar', plain) generation over one runner."""
+    sampling.validate()
+    tree = tree.resolved(runner.block_size)
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=runner.device).reshape(-1)
+    P = int(prompt.shape[0])
+    check_capacity(runner, P, sampling, tree)
+    gen = torch.Generator(device=runner.device).manual_seed(sampling.seed)
+    stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=P)
+    out = _Emitter(sampling, on_tokens)
+
+    def pick(logits):
+        return choose_tokens(logits, sampling.temperature, sampling.top_p, gen)
+
+    t0 = time.perf_counter()
+    runner.reset()
+    last_logits, ctx = runner.prefill(prompt)
+    root = int(pick(last_logits[None])[0])
+    stats.prefill_s = time.perf_counter() - t0
+    done = out.emit([root])
+    ctx_start = 0
+    while not done:
+        if tree.mode == "ar":
+            logits, _ = runner.verify(chain_tree(torch.tensor([root], device=runner.device)), P)
+            P += 1
+            root = int(pick(logits)[0])
+            gained = [root]
+        else:
+            draft = runner.propose(root, ctx, ctx_start, P, tree)
+            logits, feats = runner.verify(draft, P)
+            path, bonus = accept(draft, pick(logits))
+            runner.commit(P, path)
+            ctx, ctx_start = feats[path], P
+            P += int(path.shape[0])
+            gained = draft.tokens[path[1:]].tolist() + [bonus]
+            root = bonus
+        stats.rounds += 1
+        stats.accept_lengths.append(len(gained))
+        done = out.emit(gained)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    stats.elapsed_s = time.perf_counter() - t0
+    stats.new_tokens = len(out.tokens)
+    return GenerationResult(out.tokens, stats, out.reason)

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny model pairs written once per session in the released layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.utils import logging as hf_logging
+
+from treeflash_export.checkpoints import load_pair
+from treeflash_export.tiny import write_tiny_pair
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+torch.set_num_threads(2)
+
+PAIRS = {
+    # name: (verifier family, drafter layout)
+    "qwen3": ("qwen3", "treeflash"),
+    "llama": ("llama", "treeflash"),
+    "qwen3-dflash": ("qwen3", "dflash"),
+}
+
+PROMPTS = [
+    "def main(argv):\n    ",
+    "The quick brown fox",
+    "import os\nimport sys\n\nclass Path",
+]
+
+
+@pytest.fixture(scope="session")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pairs")
+    return {name: write_tiny_pair(root / name, family=fam, layout=layout, seed=i)
+            for i, (name, (fam, layout)) in enumerate(PAIRS.items())}
+
+
+_loaded = {}
+
+
+@pytest.fixture(scope="session")
+def load(pair_dirs):
+    """load(name) -> LoadedPair (cached)."""
+
+    def _load(name):
+        if name not in _loaded:
+            d = pair_dirs[name]
+            _loaded[name] = load_pair(str(d / "verifier"), str(d / "drafter"))
+        return _loaded[name]
+
+    return _load
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """The verifier's own greedy continuation through transformers' generate (no EOS stop)."""
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    out = model.generate(torch.tensor([ids]), generation_config=cfg)
+    return out[0, len(ids):].tolist()

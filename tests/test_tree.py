@@ -1,0 +1,116 @@
+"""Tree algebra: the fixed-shape beam equals best-first assembly; hand-computed trees."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from treeflash_export.tree import (
+    Tables, ancestor_mask, best_first_paths, build_tree, chain_tree, link_next_rows, tree_paths,
+)
+
+
+def random_tables(D, M, K, V, g, *, ties: bool, leaf_rate: float) -> Tables:
+    tokens = torch.stack([torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(M)]) for _ in range(D)])
+    if ties:  # few distinct values: many exact ties between scores
+        lp = -(torch.randint(0, 3, (D, M, K), generator=g).float() / 2)
+    else:
+        lp = -torch.rand(D, M, K, generator=g) * 4
+    lp = lp.sort(dim=-1, descending=True).values
+    nxt = torch.randint(0, M, (D, M, K), generator=g)
+    nxt[torch.rand(D, M, K, generator=g) < leaf_rate] = -1
+    nxt[-1] = -1
+    return Tables(tokens, lp, nxt)
+
+
+@pytest.mark.parametrize("ties", [True, False])
+def test_beam_equals_best_first_heap(ties):
+    g = torch.Generator().manual_seed(1234 + ties)
+    rng = random.Random(7 + ties)
+    for _ in range(600):
+        D, M, K = rng.randint(1, 7), rng.randint(1, 5), rng.randint(1, 6)
+        N = rng.randint(2, 40)
+        tables = random_tables(D, M, K, max(K, 9), g, ties=ties, leaf_rate=rng.choice([0.0, 0.3, 0.7]))
+        tree = build_tree(tables, 3, N)
+        beam = tree_paths(tree)
+        heap = best_first_paths(tables, N)
+        assert set(beam) == set(heap), (D, M, K, N)
+        assert len(beam) == len(heap) <= N - 1
+        # Fixed shape: padding fills up to N nodes and is marked invalid.
+        assert tree.size == N and int(tree.valid.sum()) == len(heap) + 1
+        # Parents precede children; the mask is ancestor-or-self; depth = rowsum - 1.
+        assert bool((tree.parents[1:] < torch.arange(1, N)).all())
+        assert torch.equal(tree.depths, tree.mask.sum(-1) - 1)
+        for a in range(1, N):
+            p = int(tree.parents[a])
+            expect = tree.mask[p].clone()
+            expect[a] = True
+            assert torch.equal(tree.mask[a], expect)
+
+
+def test_best_first_hand_example():
+    # D=2, M=2, K=2. Root row: tokens 10 (lp -0.1, children in row 1), 11 (lp -1.0, leaf).
+    # Depth-1 row 1: tokens 20 (-0.2), 21 (-3.0). Row 0 unused.
+    tok = torch.tensor([[[10, 11], [0, 0]], [[0, 0], [20, 21]]])
+    lp = torch.tensor([[[-0.1, -1.0], [0.0, 0.0]], [[0.0, 0.0], [-0.2, -3.0]]])
+    nxt = torch.tensor([[[1, -1], [-1, -1]], [[-1, -1], [-1, -1]]])
+    tables = Tables(tok, lp, nxt)
+    # Scores: 10:-0.1, 10>20:-0.3, 11:-1.0, 10>21:-3.1. Best 3: {10, 10>20, 11}.
+    tree = build_tree(tables, 5, 4)
+    assert tree.tokens.tolist() == [5, 10, 11, 20]
+    assert tree.parents.tolist() == [-1, 0, 0, 1]
+    assert tree.depths.tolist() == [0, 1, 1, 2]
+    assert tree.mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert tree.valid.all()
+    assert best_first_paths(tables, 4) == [(10,), (10, 20), (11,)]
+    # With N = 6 only 4 drafts exist: one padding node, invalid, hung under the root.
+    big = build_tree(tables, 5, 6)
+    assert big.valid.tolist() == [True, True, True, True, True, False]
+    assert big.tokens.tolist()[:5] == [5, 10, 11, 20, 21]
+    assert big.parents.tolist() == [-1, 0, 0, 1, 1, 0]
+
+
+def test_marginal_rows_are_shared_by_all_parents():
+    # Marginal tables: one row per depth, next = 0, so every depth-1 node has the same children.
+    tok = torch.tensor([[[1, 2]], [[3, 4]]])
+    lp = torch.log(torch.tensor([[[0.6, 0.4]], [[0.7, 0.3]]]))
+    nxt = torch.tensor([[[0, 0]], [[-1, -1]]])
+    tree = build_tree(Tables(tok, lp, nxt), 0, 5)
+    # Path probabilities: 1:.6, 2:.4, 1>3:.42, 1>4:.18, 2>3:.28, 2>4:.12 -> best 4: 1, 1>3, 2, 2>3.
+    assert sorted(tree_paths(tree)) == [(1,), (1, 3), (2,), (2, 3)]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2]
+    assert set(zip(tree.tokens.tolist()[3:], tree.parents.tolist()[3:])) == {(3, 1), (3, 2)}
+
+
+def test_chain_tree_is_causal():
+    t = chain_tree(torch.tensor([7, 8, 9]))
+    assert t.mask.int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert t.parents.tolist() == [-1, 0, 1] and t.depths.tolist() == [0, 1, 2]
+
+
+def test_ancestor_mask_from_parents():
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
+    m = ancestor_mask(parents, 4)
+    assert m[4].nonzero()[:, 0].tolist() == [0, 1, 3, 4]
+    assert m[5].nonzero()[:, 0].tolist() == [0, 2, 5]
+
+
+def test_link_next_rows():
+    candidates = torch.tensor([[0, 0], [5, 6], [7, 8]])  # positions 0 (unused), 1, 2
+    child = torch.tensor([[[6, 9]] * 2, [[8, 5]] * 2, [[1, 2]] * 2])  # D=3, M=2, K=2
+    nxt = link_next_rows(child, candidates)
+    assert nxt[0].tolist() == [[1, -1], [1, -1]]  # 6 is candidate 1 of position 1; 9 is not a candidate
+    assert nxt[1].tolist() == [[1, -1], [1, -1]]  # 8 is candidate 1 of position 2; 5 is not
+    assert nxt[2].tolist() == [[-1, -1], [-1, -1]]  # last depth: leaves
+
+
+def test_non_finite_scores_are_never_nodes():
+    tok = torch.tensor([[[1, 2, 3]]])
+    lp = torch.tensor([[[-0.5, -math.inf, -math.inf]]])
+    nxt = torch.full((1, 1, 3), -1)
+    tree = build_tree(Tables(tok, lp, nxt), 0, 4)
+    assert tree.valid.tolist() == [True, True, False, False]
+    assert best_first_paths(Tables(tok, lp, nxt), 4) == [(1,)]
