@@ -52,7 +52,9 @@ def load(pair_dirs):
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """The verifier's own greedy continuation through transformers' generate (no EOS stop)."""
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    """The verifier's own greedy continuation through transformers' generate, n tokens, never stopping
+    at EOS (an empty EOS list; None would fall back to the model's EOS, and min_new_tokens would
+    suppress EOS logits and change the argmax)."""
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
     out = model.generate(torch.tensor([ids]), generation_config=cfg)
     return out[0, len(ids):].tolist()

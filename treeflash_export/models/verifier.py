@@ -84,6 +84,8 @@ class TreeVerifier(nn.Module):
             if i in self.tap_layer_ids:
                 taps[i] = x[0]
         logits = self.lm_head(self.norm(x))[0]
+        if not self.tap_layer_ids:  # plain decoding: no drafter to feed
+            return logits, x.new_zeros(n, 0)
         features = torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1)
         return logits, features
 

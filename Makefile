@@ -1,0 +1,45 @@
+# Set-up and the two README commands: `make demo` (main job, offline) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+# PyTorch's own index of CPU-only wheels: without a GPU we never pull a multi-GB CUDA build.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PROMPT ?= def fibonacci(n):
+TINY := artifacts/tiny-pair
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  echo "setup: keeping the torch that $(PYTHON) already has"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV); \
+	fi
+	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then \
+	    echo "setup: NVIDIA GPU found, installing the default (CUDA) torch build"; \
+	    $(BIN)/pip install "torch>=2.6"; \
+	  else \
+	    echo "setup: no NVIDIA GPU, installing the CPU torch $(TORCH_VERSION) wheel"; \
+	    $(BIN)/pip install --retries 1 "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	  fi; \
+	fi
+	$(BIN)/pip install -e '.[dev]'
+	@touch $@
+
+$(TINY): | setup
+	$(BIN)/treeflash-export tiny-pair --out $(TINY)
+
+demo: setup $(TINY)
+	$(BIN)/treeflash-run --model $(TINY)/verifier --drafter $(TINY)/drafter \
+	  --prompt "$(PROMPT)" --max-new-tokens 48 --tree-size 32
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) $(TINY)

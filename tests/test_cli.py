@@ -1,0 +1,174 @@
+"""`treeflash-run` and `treeflash-export tiny-pair`: JSON output, streaming, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import hf_greedy
+
+from treeflash_export.cli import main as export_main
+from treeflash_export.tiny import write_tiny_pair
+from treeflash_runtime.cli import main as run_main
+
+JSON_KEYS = {"text", "token_ids", "mode", "backend", "rounds", "accept_lengths", "mean_accepted", "new_tokens",
+             "elapsed_s", "tokens_per_s"}
+
+
+def invoke(*args, input=None, env=None):
+    return CliRunner().invoke(run_main, [str(a) for a in args], input=input, env=env, catch_exceptions=False)
+
+
+def pair_args(d: Path):
+    return ["--model", d / "verifier", "--drafter", d / "drafter"]
+
+
+@pytest.mark.parametrize("mode", ["treeflash", "marginal", "chain", "ar"])
+def test_json_output_is_one_object_and_exact(pair_dirs, load, mode):
+    r = invoke(*pair_args(pair_dirs["qwen3"]), "--prompt", "def main():", "--mode", mode, "--max-new-tokens", 24,
+               "--tree-size", 16, "--ignore-eos", "--json")
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert JSON_KEYS <= set(out)
+    assert out["mode"] == mode and out["backend"] == "torch" and out["new_tokens"] == 24
+    assert sum(out["accept_lengths"]) + 1 >= out["new_tokens"] and out["rounds"] == len(out["accept_lengths"])
+    pair = load("qwen3")
+    ids = pair.tokenizer("def main():")["input_ids"]
+    assert out["token_ids"] == hf_greedy(pair.verifier, ids, 24)
+    assert out["text"] == pair.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+
+
+def test_streams_text_and_reads_stdin_with_chat(pair_dirs):
+    r = invoke(*pair_args(pair_dirs["llama"]), "--chat", "--max-new-tokens", 12, "--ignore-eos", input="hello there")
+    assert r.exit_code == 0, r.stderr
+    assert "tokens/round" in r.stderr and len(r.stdout.strip("\n")) > 0
+
+
+def test_console_script_json(pair_dirs):
+    """The installed entry point, as a user runs it."""
+    exe = Path(sys.executable).with_name("treeflash-run")
+    cmd = [str(exe), *map(str, pair_args(pair_dirs["qwen3-dflash"])), "--mode", "chain", "--prompt", "x = 1",
+           "--max-new-tokens", 8, "--json"]
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["mode"] == "chain" and 1 <= out["new_tokens"] <= 8
+
+
+def _edited_drafter(tmp_path, src: Path, **changes) -> Path:
+    dst = tmp_path / "drafter"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if key in ("target_layer_ids", "mask_token_id"):
+            cfg["dflash_config"][key] = value
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def assert_one_line_error(r, *words):
+    assert r.exit_code != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_wrong_paths(pair_dirs, tmp_path):
+    d = pair_dirs["qwen3"]
+    assert_one_line_error(invoke("--model", tmp_path / "nope", "--drafter", d / "drafter", "--prompt", "x"),
+                          "verifier", "nope")
+    assert_one_line_error(invoke("--model", d / "verifier", "--drafter", tmp_path, "--prompt", "x"),
+                          "drafter", "config.json")
+
+
+def test_uncached_hub_id_offline_names_the_download(pair_dirs, tmp_path):
+    d = pair_dirs["qwen3"]
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    r = invoke("--model", "Qwen/Qwen3-8B", "--drafter", d / "drafter", "--prompt", "x", env=env)
+    assert_one_line_error(r, "Qwen/Qwen3-8B", "huggingface-cli download Qwen/Qwen3-8B")
+
+
+def test_mismatched_pairs(pair_dirs, tmp_path):
+    d = pair_dirs["qwen3"]
+    small = write_tiny_pair(tmp_path / "small", hidden=32)
+    assert_one_line_error(invoke("--model", d / "verifier", "--drafter", small / "drafter", "--prompt", "x"),
+                          "hidden size mismatch", "32", "64")
+    for change, words in [
+        (dict(vocab_size=1000), ("vocabulary size mismatch", "1000", "512")),
+        (dict(target_layer_ids=[1, 9]), ("target_layer_ids", "0..3")),
+        (dict(mask_token_id=600), ("mask_token_id 600", "512")),
+        (dict(num_target_layers=36), ("36", "4")),
+    ]:
+        sub = tmp_path / next(iter(change))
+        sub.mkdir()
+        edited = _edited_drafter(sub, d / "drafter", **change)
+        assert_one_line_error(invoke("--model", d / "verifier", "--drafter", edited, "--prompt", "x"), *words)
+
+
+def test_head_required_for_treeflash_mode(pair_dirs):
+    r = invoke(*pair_args(pair_dirs["qwen3-dflash"]), "--prompt", "x", "--mode", "treeflash")
+    assert_one_line_error(r, "head", "--mode marginal")
+
+
+def test_unknown_layout_and_missing_keys(pair_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = pair_dirs["qwen3"]
+    state = load_file(str(d / "drafter" / "model.safetensors"))
+    renamed = tmp_path / "renamed"
+    shutil.copytree(d / "drafter", renamed)
+    save_file({f"backbone.{k}": v for k, v in state.items()}, str(renamed / "model.safetensors"))
+    assert_one_line_error(invoke("--model", d / "verifier", "--drafter", renamed, "--prompt", "x"),
+                          "unknown drafter layout")
+    partial = tmp_path / "partial"
+    shutil.copytree(d / "drafter", partial)
+    save_file({k: v for k, v in state.items() if "layers.1." not in k}, str(partial / "model.safetensors"))
+    assert_one_line_error(invoke("--model", d / "verifier", "--drafter", partial, "--prompt", "x"), "missing")
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--tree-size", 1], ["--tree-size 1"]),
+    (["--tree-size", 5000], ["--tree-size 5000"]),
+    (["--top-k", 0], ["--top-k 0"]),
+    (["--top-k", 600], ["--top-k 600", "512"]),
+    (["--top-m", 0], ["--top-m 0"]),
+    (["--temperature", -1], ["--temperature"]),
+    (["--top-p", 0], ["--top-p"]),
+    (["--max-new-tokens", 0], ["--max-new-tokens"]),
+])
+def test_tree_and_sampling_settings_out_of_range(pair_dirs, flags, words):
+    assert_one_line_error(invoke(*pair_args(pair_dirs["qwen3"]), "--prompt", "x", *flags), *words)
+
+
+def test_prompt_longer_than_cache(pair_dirs):
+    long_prompt = "def f(x): return x\n" * 40
+    r = invoke(*pair_args(pair_dirs["qwen3"]), "--prompt", long_prompt, "--max-seq-len", 64)
+    assert_one_line_error(r, "prompt is", "cache holds 64", "--max-seq-len")
+    r = invoke(*pair_args(pair_dirs["qwen3"]), "--prompt", "x", "--max-seq-len", 64, "--max-new-tokens", 60)
+    assert_one_line_error(r, "needs", "--max-new-tokens")
+
+
+def test_missing_drafter_and_empty_prompt(pair_dirs):
+    d = pair_dirs["qwen3"]
+    assert_one_line_error(invoke("--model", d / "verifier", "--prompt", "x"), "--drafter is required")
+    assert_one_line_error(invoke(*pair_args(d), "--prompt", ""), "empty")
+
+
+def test_export_tiny_pair_command(tmp_path):
+    r = CliRunner().invoke(export_main, ["tiny-pair", "--out", str(tmp_path / "p"), "--family", "llama"])
+    assert r.exit_code == 0, r.stderr
+    assert (tmp_path / "p" / "verifier" / "config.json").is_file()
+    assert (tmp_path / "p" / "drafter" / "model.safetensors").is_file()
+    r = CliRunner().invoke(export_main, ["tiny-pair", "--out", str(tmp_path / "p")])
+    assert r.exit_code != 0 and "already exists" in r.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
