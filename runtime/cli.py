@@ -125,9 +125,6 @@ def _run(model, drafter, prompt, chat, mode, tree_size, top_m, top_k, drafter_te
     dev = _pick_device(device)
     torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
     pair = load_pair(model, drafter if mode != "ar" else None, dtype=torch_dtype, device=dev)
-    if pair.drafter_cfg is not None:
-        tree.validate(block_size=pair.drafter_cfg.block_size, vocab_size=pair.drafter_cfg.vocab_size,
-                      has_head=pair.drafter_cfg.has_head)
     tok = pair.tokenizer
     if chat:
         if not getattr(tok, "chat_template", None):

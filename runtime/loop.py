@@ -114,6 +114,10 @@ def generate(
 ) -> GenerationResult:
     """Speculative (or, with mode 'ar', plain) generation over one runner."""
     sampling.validate()
+    if tree.mode != "ar":
+        if runner.block_size < 2:
+            raise ConfigError(f"mode {tree.mode!r} needs a drafter; this runner has none (use mode 'ar')")
+        tree.validate(block_size=runner.block_size, vocab_size=runner.vocab_size, has_head=runner.has_head)
     tree = tree.resolved(runner.block_size)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=runner.device).reshape(-1)
     P = int(prompt.shape[0])

@@ -37,7 +37,7 @@ class OracleRunner(TorchRunner):
         t = self.tables(root, z, tree)
         tok, nxt = t.tokens.clone(), t.next_row.clone()
         D, M, K = tok.shape
-        lp = -0.05 - 1.2 * torch.arange(K, dtype=torch.float32).expand(D, M, K).clone()
+        lp = -0.05 - 1.2 * torch.arange(K, dtype=torch.float32, device=tok.device).expand(D, M, K).clone()
         row = 0
         for d in range(D):
             pos = past_len + 1 + d

@@ -34,6 +34,7 @@ class Runner(ABC):
     block_size: int
     capacity: int
     mask_token_id: int
+    has_head: bool  # the drafter has an AR-approximation head (TreeFlash mode possible)
 
     @abstractmethod
     def reset(self) -> None:

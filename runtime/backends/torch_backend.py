@@ -26,6 +26,7 @@ class TorchRunner(Runner):
         self.vocab_size = self.verifier.vocab_size
         self.block_size = drafter.cfg.block_size if drafter is not None else 1
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else -1
+        self.has_head = drafter is not None and drafter.ar_approximation is not None
         self.capacity = int(capacity)
         self.max_positions = int(getattr(verifier_hf.config, "max_position_embeddings", 1 << 30))
         if self.capacity < 2:
