@@ -124,7 +124,11 @@ def _run(model, drafter, prompt, chat, mode, tree_size, top_m, top_k, drafter_te
     hf_logging.disable_progress_bar()
     dev = _pick_device(device)
     torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
-    pair = load_pair(model, drafter if mode != "ar" else None, dtype=torch_dtype, device=dev)
+    def check(vcfg, dcfg):
+        if dcfg is not None:
+            tree.validate(block_size=dcfg.block_size, vocab_size=dcfg.vocab_size, has_head=dcfg.has_head)
+
+    pair = load_pair(model, drafter if mode != "ar" else None, dtype=torch_dtype, device=dev, check=check)
     tok = pair.tokenizer
     if chat:
         if not getattr(tok, "chat_template", None):

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -192,8 +192,13 @@ class LoadedPair:
 
 
 def load_pair(model: str, drafter: str | None, *, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu", need_tokenizer: bool = True) -> LoadedPair:
-    """Resolve, validate configs first (no weights touched), then load both models."""
+              device: str | torch.device = "cpu", need_tokenizer: bool = True,
+              check: Callable[[Any, DrafterConfig | None], None] | None = None) -> LoadedPair:
+    """Resolve, validate configs first (no weights touched), then load both models.
+
+    ``check(verifier_config, drafter_config)`` runs after the pair checks and before any
+    weights are read, so settings errors surface in seconds even for large models.
+    """
     vpath = resolve_checkpoint(model, "verifier")
     dpath = resolve_checkpoint(drafter, "drafter") if drafter else None
     from transformers import AutoConfig
@@ -211,6 +216,8 @@ def load_pair(model: str, drafter: str | None, *, dtype: torch.dtype = torch.flo
         except Exception as exc:
             raise CheckpointError(f"cannot read drafter config in {dpath}: {exc}") from None
         validate_pair(vcfg, dcfg)
+    if check is not None:
+        check(vcfg, dcfg)
     tok = load_tokenizer(vpath) if need_tokenizer else None
     verifier = load_verifier(vpath, dtype=dtype, device=device)
     dmodel, layout = None, None
