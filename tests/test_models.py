@@ -113,17 +113,21 @@ def test_verifier_wrapper_matches_transformers(load, name):
     wrapper = TreeVerifier(hf, pair.drafter_cfg.target_layer_ids)
     cache = wrapper.new_cache(64)
     tree = chain_tree(ids)
-    logits, feats = wrapper(ids, tree.depths, tree.mask, cache, 0)
+    logits, feats, new_kv = wrapper(ids, tree.depths, tree.mask, cache, 0)
     assert (logits - out.logits[0]).abs().max() < 1e-4
     taps = torch.cat([out.hidden_states[i + 1][0] for i in pair.drafter_cfg.target_layer_ids], -1)
     assert (feats - taps).abs().max() < 1e-4
     # Incremental: the last 4 tokens as a second call over the cached prefix give the same rows.
     cache2 = wrapper.new_cache(64)
     n = ids.shape[0]
-    wrapper(ids[:-4], tree.depths[:-4], tree.mask[:-4, :-4], cache2, 0)
+    _, _, kv = wrapper(ids[:-4], tree.depths[:-4], tree.mask[:-4, :-4], cache2, 0)
+    cache2[:, :, :, : n - 4] = kv
     tail = chain_tree(ids[-4:])
-    logits2, _ = wrapper(ids[-4:], n - 4 + tail.depths, tail.mask, cache2, n - 4)
+    logits2, _, _ = wrapper(ids[-4:], n - 4 + tail.depths, tail.mask, cache2, n - 4)
     assert (logits2 - out.logits[0, -4:]).abs().max() < 1e-4
+    # Traced form: P as a tensor, the whole cache visible to the graph and slots >= P masked.
+    logits3, _, _ = wrapper(ids[-4:], n - 4 + tail.depths, tail.mask, cache2, torch.tensor(n - 4))
+    assert (logits3 - out.logits[0, -4:]).abs().max() < 1e-4
 
 
 def test_drafter_matches_reference_implementation(load):
@@ -137,10 +141,16 @@ def test_drafter_matches_reference_implementation(load):
     cache = d.model.new_cache(32)
     # Two rounds through the cache: 7 context tokens, then 4 more; the block sits after them.
     with torch.no_grad():
-        d.model(feats[:7], torch.arange(7), block, torch.arange(7, 7 + B), cache, 0)
-        z = d.model(feats[7:], torch.arange(7, 11), block, torch.arange(11, 11 + B), cache, 7)
+        _, kv = d.model(feats[:7], torch.arange(7), block, torch.arange(7, 7 + B), cache, 0)
+        cache[:, :, :, :7] = kv
+        z, _ = d.model(feats[7:], torch.arange(7, 11), block, torch.arange(11, 11 + B), cache, 7)
+        # Traced form: context padded to B rows with a valid count, the whole cache masked past 7.
+        padded = torch.cat([feats[7:], torch.randn(B - 4, T * H, generator=g)])
+        z_static, _ = d.model(padded, torch.arange(7, 7 + B), block, torch.arange(11, 11 + B), cache,
+                              torch.tensor(7), torch.tensor(4))
     ref = reference_drafter_z(sd, cfg.hf_config, feats, torch.arange(11), block, torch.arange(11, 11 + B))
     assert (z - ref).abs().max() < 1e-4
+    assert (z_static - ref).abs().max() < 1e-4
 
     # Head: conditional logits for every (position, parent) pair, against the plain formula.
     emb_w, lm_w = pair.verifier.model.embed_tokens.weight, pair.verifier.lm_head.weight

@@ -70,15 +70,19 @@ def link_next_rows(child_tokens: torch.Tensor, candidates: torch.Tensor) -> torc
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[N] parent indices (root -1) -> [N, N] ancestor-or-self mask, by pointer jumping."""
+    """[N] parent indices (root -1) -> [N, N] ancestor-or-self mask, by pointer jumping.
+
+    Fixed shapes only (one-hot ORs, no boolean indexing), so it traces into a static graph.
+    """
     n = parents.shape[0]
-    rows = torch.arange(n, device=parents.device)
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    ids = torch.arange(n, device=parents.device)
+    mask = ids[:, None] == ids[None, :]
     cur = parents
     for _ in range(max_depth):
         hit = cur >= 0
-        mask[rows[hit], cur[hit]] = True
-        cur = torch.where(hit, parents[cur.clamp(min=0)], cur)
+        safe = torch.where(hit, cur, torch.zeros_like(cur))
+        mask = mask | ((safe[:, None] == ids[None, :]) & hit[:, None])
+        cur = torch.where(hit, parents[safe], cur)
     return mask
 
 

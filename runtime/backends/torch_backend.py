@@ -41,14 +41,14 @@ class TorchRunner(Runner):
 
     @torch.inference_mode()
     def prefill(self, tokens):
-        n = tokens.shape[0]
-        tree = chain_tree(tokens)
-        logits, feats = self.verifier(tokens, tree.depths, tree.mask, self.kv, 0)
+        logits, feats = self.verify(chain_tree(tokens), 0)
         return logits[-1], feats
 
     @torch.inference_mode()
     def verify(self, tree: Tree, past_len: int):
-        return self.verifier(tree.tokens, past_len + tree.depths, tree.mask, self.kv, past_len)
+        logits, feats, new_kv = self.verifier(tree.tokens, past_len + tree.depths, tree.mask, self.kv, past_len)
+        self.kv[:, :, :, past_len : past_len + tree.size] = new_kv
+        return logits, feats
 
     @torch.inference_mode()
     def commit(self, past_len: int, path: torch.Tensor) -> None:
@@ -64,7 +64,9 @@ class TorchRunner(Runner):
         embeds = self.verifier.embed_tokens(block)
         ctx_pos = torch.arange(ctx_start, past_len, device=dev)
         blk_pos = torch.arange(past_len, past_len + B, device=dev)
-        return self.drafter.model(ctx_features, ctx_pos, embeds, blk_pos, self.draft_kv, ctx_start)
+        z, new_kv = self.drafter.model(ctx_features, ctx_pos, embeds, blk_pos, self.draft_kv, ctx_start)
+        self.draft_kv[:, :, :, ctx_start:past_len] = new_kv
+        return z
 
     def tables(self, root: int, z: torch.Tensor, tree: TreeConfig) -> Tables:
         """Stage 2: transition tables for the mode (see treeflash_export.models.expand)."""

@@ -28,13 +28,3 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         v = v.repeat_interleave(groups, dim=0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.transpose(0, 1).reshape(q.shape[1], -1)
-
-
-def write_slots(cache: torch.Tensor, start, values: torch.Tensor) -> None:
-    """cache: [heads, S, d]; writes values [heads, n, d] into slots start..start+n-1 in place."""
-    n = values.shape[1]
-    if isinstance(start, int):
-        cache[:, start : start + n] = values
-    else:
-        slots = start + torch.arange(n, device=values.device)
-        cache.index_copy_(1, slots, values)

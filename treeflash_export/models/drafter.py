@@ -15,7 +15,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ..config import DrafterConfig
-from .common import apply_rope, attend, write_slots
+from .common import apply_rope, attend
 from .head import ARApproximationHead
 
 
@@ -37,17 +37,16 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(n, -1, self.head_dim).transpose(0, 1)
         return k, v
 
-    def forward(self, h, ctx, ctx_rope, blk_rope, layer_cache, ctx_start, key_len, key_mask):
-        """h: [B, H] normed block states; ctx: [c, H] fused context; layer_cache: [2, Hkv, S, D]."""
+    def forward(self, h, ctx, ctx_rope, blk_rope, prefix, key_mask):
+        """h: [B, H] normed block states; ctx: [c, H] fused new context; prefix: [2, Hkv, *, D] cached
+        context K/V. Returns (output [B, H], the new context K/V [2, Hkv, c, D])."""
         B = h.shape[0]
         k_ctx, v_ctx = self._kv(ctx, *ctx_rope)
-        write_slots(layer_cache[0], ctx_start, k_ctx)
-        write_slots(layer_cache[1], ctx_start, v_ctx)
         q = apply_rope(self.q_norm(self.q_proj(h).view(B, -1, self.head_dim)).transpose(0, 1), *blk_rope)
         k_blk, v_blk = self._kv(h, *blk_rope)
-        k = torch.cat([layer_cache[0, :, :key_len], k_blk], dim=1)
-        v = torch.cat([layer_cache[1, :, :key_len], v_blk], dim=1)
-        return self.o_proj(attend(q, k, v, key_mask))
+        k = torch.cat([prefix[0], k_ctx, k_blk], dim=1)
+        v = torch.cat([prefix[1], v_ctx, v_blk], dim=1)
+        return self.o_proj(attend(q, k, v, key_mask)), torch.stack([k_ctx, v_ctx])
 
 
 class DrafterLayer(nn.Module):
@@ -88,29 +87,34 @@ class DrafterBackbone(nn.Module):
         ctx_positions: torch.Tensor,  # [c] their absolute positions
         block_embeds: torch.Tensor,  # [B, H] verifier embeddings of [root, MASK x (B-1)]
         block_positions: torch.Tensor,  # [B] = P .. P+B-1
-        cache: torch.Tensor,  # [L, 2, Hkv, S, D]; context K/V written at ctx_start..ctx_start+c-1
-        ctx_start,  # int or 0-d tensor: context slots already filled
-    ) -> torch.Tensor:
-        """Returns z [B, H], the residual stream after the last layer (pre-norm)."""
-        c = ctx_features.shape[0]
+        cache: torch.Tensor,  # [L, 2, Hkv, S, D] context K/V of earlier tokens, read only
+        ctx_start,  # int (eager: cache sliced) or 0-d tensor (traced: slots >= ctx_start masked)
+        ctx_count=None,  # traced only: 0-d tensor, valid rows of ctx_features (the rest is padding)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns z [B, H] (the residual stream after the last layer, pre-norm) and the new
+        context K/V [L, 2, Hkv, c, D], which the caller writes to slots ctx_start..ctx_start+c-1."""
+        c, B = ctx_features.shape[0], block_embeds.shape[0]
+        dev = block_embeds.device
         ctx = self.hidden_norm(self.fc(ctx_features))
         ctx_rope = self._rope(ctx, ctx_positions)
         blk_rope = self._rope(block_embeds, block_positions)
         if isinstance(ctx_start, int):
-            key_len = ctx_start + c
-            key_mask = torch.ones(block_embeds.shape[0], key_len + block_embeds.shape[0],
-                                  dtype=torch.bool, device=block_embeds.device)
-        else:  # static shapes: the whole cache, slots past the context masked out
-            key_len = cache.shape[3]
-            valid = torch.arange(key_len, device=block_embeds.device) < ctx_start + c
-            ones = torch.ones(block_embeds.shape[0], dtype=torch.bool, device=block_embeds.device)
-            key_mask = torch.cat([valid, ones])[None, :].expand(block_embeds.shape[0], -1)
+            prefix = cache[:, :, :, :ctx_start]
+            key_mask = torch.ones(B, ctx_start + c + B, dtype=torch.bool, device=dev)
+        else:
+            prefix = cache
+            old = torch.arange(cache.shape[3], device=dev) < ctx_start
+            new = torch.arange(c, device=dev) < ctx_count
+            key_mask = torch.cat([old, new, torch.ones(B, dtype=torch.bool, device=dev)])[None].expand(B, -1)
         x = block_embeds
+        new_kv = []
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, ctx, ctx_rope, blk_rope, cache[i], ctx_start, key_len, key_mask)
+            out, kv = layer.self_attn(h, ctx, ctx_rope, blk_rope, prefix[i], key_mask)
+            new_kv.append(kv)
+            x = x + out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x
+        return x, torch.stack(new_kv)
 
 
 class TreeFlashDrafter(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import apply_rope, attend, write_slots
+from .common import apply_rope, attend
 
 
 class TreeVerifier(nn.Module):
@@ -54,29 +54,37 @@ class TreeVerifier(nn.Module):
         tokens: torch.Tensor,  # [n] int64
         positions: torch.Tensor,  # [n] int64, absolute positions
         tree_mask: torch.Tensor,  # [n, n] bool, ancestor-or-self (a causal mask for prefill)
-        cache: torch.Tensor,  # [L, 2, Hkv, S, D], updated in place at slots past_len..past_len+n-1
-        past_len,  # int or 0-d int64 tensor: committed length P
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns logits [n, V] and the tapped hidden states [n, T*H]."""
+        cache: torch.Tensor,  # [L, 2, Hkv, S, D], read only
+        past_len,  # int (eager: the cache is sliced) or 0-d int64 tensor (traced: slots >= P masked)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns logits [n, V], tapped hidden states [n, T*H] and the new K/V [L, 2, Hkv, n, D].
+
+        Keys are [cache slots 0..P-1 ; the n new tokens under tree_mask]. The caller writes the
+        new K/V into slots P..P+n-1 (and later compacts the accepted ones), so the graph never
+        scatters into the cache.
+        """
         n = tokens.shape[0]
         if tree_mask.shape != (n, n) or positions.shape != (n,):
             raise ValueError(f"verifier: tokens {tuple(tokens.shape)}, positions {tuple(positions.shape)} "
                              f"and tree_mask {tuple(tree_mask.shape)} disagree")
-        # Keys visible to this call: the committed prefix plus the n new slots.
-        key_len = past_len + n if isinstance(past_len, int) else cache.shape[3]
-        cols = torch.arange(key_len, device=tokens.device)
-        rel = cols - past_len
-        in_tree = (rel >= 0) & (rel < n)
-        tree_part = tree_mask[:, rel.clamp(0, n - 1)] & in_tree[None, :]
-        mask = (cols < past_len)[None, :] | tree_part  # [n, key_len]
+        if isinstance(past_len, int):
+            prefix = cache[:, :, :, :past_len]
+            prefix_mask = torch.ones(n, past_len, dtype=torch.bool, device=tokens.device)
+        else:
+            prefix = cache
+            cols = torch.arange(cache.shape[3], device=tokens.device)
+            prefix_mask = (cols < past_len)[None, :].expand(n, -1)
+        mask = torch.cat([prefix_mask, tree_mask], dim=1)  # [n, P or S + n]
 
         x = self.embed_tokens(tokens)[None]  # [1, n, H]
         cos, sin = self.rotary_emb(x, positions[None])
         cos, sin = cos[0], sin[0]  # [n, D]
-        taps = {}
+        taps, new_kv = {}, []
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            x = x + self._attention(layer.self_attn, h[0], cos, sin, cache[i], past_len, mask, key_len)[None]
+            out, kv = self._attention(layer.self_attn, h[0], cos, sin, prefix[i], mask)
+            new_kv.append(kv)
+            x = x + out[None]
             mlp_out = layer.mlp(layer.post_attention_layernorm(x))
             if isinstance(mlp_out, tuple):  # some MoE blocks also return router logits
                 mlp_out = mlp_out[0]
@@ -84,12 +92,13 @@ class TreeVerifier(nn.Module):
             if i in self.tap_layer_ids:
                 taps[i] = x[0]
         logits = self.lm_head(self.norm(x))[0]
+        new_kv = torch.stack(new_kv)
         if not self.tap_layer_ids:  # plain decoding: no drafter to feed
-            return logits, x.new_zeros(n, 0)
-        features = torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1)
-        return logits, features
+            return logits, x.new_zeros(n, 0), new_kv
+        return logits, torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1), new_kv
 
-    def _attention(self, attn, h, cos, sin, layer_cache, past_len, mask, key_len):
+    def _attention(self, attn, h, cos, sin, prefix, mask):
+        """prefix: [2, Hkv, P|S, D] -> (output [n, H], new K/V [2, Hkv, n, D])."""
         n = h.shape[0]
         q = attn.q_proj(h).view(n, -1, self.head_dim)
         k = attn.k_proj(h).view(n, -1, self.head_dim)
@@ -99,7 +108,6 @@ class TreeVerifier(nn.Module):
             k = attn.k_norm(k)
         q = apply_rope(q.transpose(0, 1), cos, sin)
         k = apply_rope(k.transpose(0, 1), cos, sin)
-        write_slots(layer_cache[0], past_len, k)
-        write_slots(layer_cache[1], past_len, v.transpose(0, 1))
-        out = attend(q, layer_cache[0, :, :key_len], layer_cache[1, :, :key_len], mask)
-        return attn.o_proj(out)
+        v = v.transpose(0, 1)
+        out = attend(q, torch.cat([prefix[0], k], dim=1), torch.cat([prefix[1], v], dim=1), mask)
+        return attn.o_proj(out), torch.stack([k, v])
