@@ -86,28 +86,40 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return mask
 
 
+def stable_order_desc(scores: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting [n] scores descending, equal scores by index (a stable sort).
+
+    Written as pairwise ranks (no Sort/TopK), so the tie order is exact and identical in
+    PyTorch, ONNX Runtime and TensorRT, whose TopK does not promise an order among ties.
+    O(n^2) comparisons: about a million for N = 64, K = 16.
+    """
+    n = scores.shape[0]
+    idx = torch.arange(n, device=scores.device)
+    ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (idx[None, :] < idx[:, None]))
+    rank = ahead.sum(dim=1)  # a permutation of 0..n-1
+    return torch.zeros_like(idx).scatter(0, rank, idx)
+
+
 def build_tree(tables: Tables, root_token, tree_size: int) -> Tree:
     """Depth-synchronous beam of width N-1: exactly the best-first tree, in fixed shapes.
 
     Per depth keep the best N-1 children of the previous depth's beam, then take
     the global best N-1 over all depths. Nodes come out depth by depth, so parents
-    precede children.
+    precede children; padding nodes (when fewer than N-1 drafts exist) come last.
     """
     tok, lp, nxt = tables.tokens, tables.logprobs.float(), tables.next_row
     D, M, K = tok.shape
     W = tree_size - 1
     dev = tok.device
-    neg_inf = torch.tensor(-math.inf, device=dev)
+    neg_inf = torch.full((1,), -math.inf, device=dev)
 
     def topw(scores, *payload):
-        # Stable sort keeps the flattened (parent slot, rank) order among equal scores.
-        order = torch.sort(scores, descending=True, stable=True).indices
-        if order.shape[0] < W:
-            pad = W - order.shape[0]
+        # The stable order keeps the flattened (parent slot, rank) order among equal scores.
+        if scores.shape[0] < W:
+            pad = W - scores.shape[0]
             scores = torch.cat([scores, neg_inf.expand(pad)])
             payload = [torch.cat([p, p.new_zeros(pad)]) for p in payload]
-            order = torch.cat([order, torch.arange(order.shape[0], W, device=dev)])
-        order = order[:W]
+        order = stable_order_desc(scores)[:W]
         return (scores[order], *[p[order] for p in payload])
 
     # Depth 1: the root's children (row 0 of depth 0).
@@ -128,20 +140,23 @@ def build_tree(tables: Tables, root_token, tree_size: int) -> Tree:
     flat_token = torch.cat(all_token)
     flat_slot = torch.cat(all_slot)
     flat_depth = torch.arange(1, D + 1, device=dev).repeat_interleave(W)
-    chosen = torch.sort(flat_score, descending=True, stable=True).indices[:W]
-    # Depth-major order puts parents before children; padding (-inf) nodes go last.
-    late = (~torch.isfinite(flat_score[chosen])).long() * (D * W)
-    chosen = chosen[torch.sort(chosen + late).indices]
-    node_of = torch.zeros(D * W, dtype=torch.long, device=dev)
-    node_of[chosen] = torch.arange(1, W + 1, device=dev)
+    chosen = stable_order_desc(flat_score)[:W]
+    # Node order: chosen valid entries in depth-major order, then chosen padding entries.
+    picked = torch.zeros(D * W, dtype=torch.bool, device=dev).scatter(0, chosen, torch.ones_like(chosen, dtype=torch.bool))
+    good = picked & torch.isfinite(flat_score)
+    pad = picked & ~good
+    n_good = good.long().sum()
+    position = torch.where(good, good.long().cumsum(0) - 1, n_good + pad.long().cumsum(0) - 1)  # node - 1
+    node_of = torch.where(picked, position + 1, torch.zeros_like(position))  # flat index -> node
+    flat_of = torch.zeros(W, dtype=torch.long, device=dev).scatter(0, position[chosen], chosen)  # node-1 -> flat
 
-    valid = torch.isfinite(flat_score[chosen])
-    depth = flat_depth[chosen]
-    parent_flat = (depth - 2) * W + flat_slot[chosen]
+    valid = good[flat_of]
+    depth = flat_depth[flat_of]
+    parent_flat = (depth - 2) * W + flat_slot[flat_of]
     parent = torch.where(depth > 1, node_of[parent_flat.clamp(min=0)], torch.zeros_like(depth))
     parent = torch.where(valid, parent, torch.zeros_like(parent))
     depth = torch.where(valid, depth, torch.ones_like(depth))
-    token = torch.where(valid, flat_token[chosen], torch.zeros_like(depth))
+    token = torch.where(valid, flat_token[flat_of], torch.zeros_like(depth))
 
     root = torch.as_tensor(root_token, dtype=torch.long, device=dev).reshape(1)
     parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), parent])

@@ -26,5 +26,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if groups > 1:
         k = k.repeat_interleave(groups, dim=0)
         v = v.repeat_interleave(groups, dim=0)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # 4-D (batch 1) because that is the form the ONNX exporter translates.
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
     return out.transpose(0, 1).reshape(q.shape[1], -1)
