@@ -42,32 +42,30 @@ def _pick_device(device: str) -> str:
     return device
 
 
-def _stop_ids(tokenizer, verifier, extra: tuple[int, ...], ignore_eos: bool) -> tuple[int, ...]:
-    ids = set(extra)
-    if not ignore_eos:
-        for source in (getattr(tokenizer, "eos_token_id", None),
-                       getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(i) for i in source)
-    return tuple(sorted(ids))
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", "model", required=True, help="Verifier: a local Hugging Face folder or a hub id.")
+@click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id.")
 @click.option("--drafter", default=None, help="TreeFlash or DFlash drafter: a local folder or a hub id "
               "(not needed with --mode ar).")
+@click.option("--artifacts", "artifacts", default=None, type=click.Path(file_okay=False),
+              help="An artifact folder from `treeflash-export build` (instead of --model/--drafter); "
+                   "tree settings and cache size come from its manifest.")
+@click.option("--verify-checksums/--no-verify-checksums", default=True,
+              help="Check every artifact file against the manifest's SHA-256 before use.")
 @click.option("--prompt", default=None, help="Prompt text; read from standard input when omitted.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the tokenizer's chat template.")
-@click.option("--mode", type=click.Choice(MODES), default=_TREE.mode,
-              help="treeflash: head-conditioned tree; marginal: DDTree-style tree; chain: DFlash path; "
-                   "ar: plain decoding on the same backend (the baseline).")
-@click.option("--tree-size", type=int, default=_TREE.tree_size, help="Tree nodes per round N, root included.")
-@click.option("--top-m", type=int, default=_TREE.top_m, help="Candidate parents per position (treeflash).")
-@click.option("--top-k", type=int, default=_TREE.top_k, help="Children per parent row.")
-@click.option("--drafter-temperature", type=float, default=_TREE.drafter_temperature,
-              help="Temperature of the drafter scores that shape the tree (never changes the output).")
+@click.option("--mode", type=click.Choice(MODES), default=None,
+              help=f"treeflash: head-conditioned tree; marginal: DDTree-style tree; chain: DFlash path; "
+                   f"ar: plain decoding on the same backend (the baseline). [default: {_TREE.mode}, or the "
+                   f"artifact's]")
+@click.option("--tree-size", type=int, default=None,
+              help=f"Tree nodes per round N, root included. [default: {_TREE.tree_size}, or the artifact's]")
+@click.option("--top-m", type=int, default=None,
+              help=f"Candidate parents per position (treeflash). [default: {_TREE.top_m}, or the artifact's]")
+@click.option("--top-k", type=int, default=None,
+              help=f"Children per parent row. [default: {_TREE.top_k}, or the artifact's]")
+@click.option("--drafter-temperature", type=float, default=None,
+              help=f"Temperature of the drafter scores that shape the tree (never changes the output). "
+                   f"[default: {_TREE.drafter_temperature}, or the artifact's]")
 @click.option("--temperature", type=float, default=_SAMPLING.temperature, help="Verifier temperature; 0 = greedy.")
 @click.option("--top-p", type=float, default=_SAMPLING.top_p, help="Verifier nucleus sampling mass.")
 @click.option("--max-new-tokens", type=int, default=_SAMPLING.max_new_tokens)
@@ -75,14 +73,16 @@ def _stop_ids(tokenizer, verifier, extra: tuple[int, ...], ignore_eos: bool) -> 
 @click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
               help="Extra token id that ends generation (repeatable); EOS ids are added unless --ignore-eos.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the tokenizer's / model's EOS tokens.")
-@click.option("--max-seq-len", type=int, default=2048, help="KV cache capacity S (prompt + new tokens + tree).")
-@click.option("--backend", type=click.Choice(["torch"]), default="torch", help="Runtime backend.")
+@click.option("--max-seq-len", type=int, default=None,
+              help="KV cache capacity S (prompt + new tokens + tree). [default: 2048, or the artifact's]")
+@click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default="torch",
+              help="Runtime backend; onnxruntime and tensorrt run an artifact folder.")
 @click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               help="auto = float32 on CPU, bfloat16 on CUDA.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object (text and statistics) "
               "on stdout instead of streaming.")
-def main(model, drafter, prompt, chat, mode, tree_size, top_m, top_k, drafter_temperature, temperature, top_p,
+def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k, drafter_temperature, temperature, top_p,
          max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len, backend, device, dtype, as_json):
     """Generate text from a verifier with TreeFlash tree speculative decoding.
 
@@ -96,40 +96,46 @@ def main(model, drafter, prompt, chat, mode, tree_size, top_m, top_k, drafter_te
         sys.exit(2)
 
 
-def _run(model, drafter, prompt, chat, mode, tree_size, top_m, top_k, drafter_temperature, temperature, top_p,
-         max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len, backend, device, dtype, as_json):
-    tree = TreeConfig(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
-                      drafter_temperature=drafter_temperature)
+def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
+         drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
+         backend, device, dtype, as_json):
+    requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
+                     drafter_temperature=drafter_temperature)
     SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed).validate()
-    if mode != "ar" and not drafter:
-        raise TreeFlashError(f"--drafter is required for --mode {mode} (or use --mode ar for plain decoding)")
+    if artifacts is None:
+        if backend != "torch":
+            raise TreeFlashError(f"--backend {backend} runs an artifact folder: pass --artifacts DIR "
+                                 f"(build one with treeflash-export build)")
+        if not model:
+            raise TreeFlashError("pass --model (and --drafter), or --artifacts DIR")
+        if (mode or _TREE.mode) != "ar" and not drafter:
+            raise TreeFlashError(f"--drafter is required for --mode {mode or _TREE.mode} "
+                                 f"(or use --mode ar for plain decoding)")
+    elif model or drafter:
+        raise TreeFlashError("--artifacts replaces --model and --drafter: pass one or the other")
+    if max_seq_len is not None and max_seq_len < 2:
+        raise TreeFlashError(f"--max-seq-len {max_seq_len} is too small")
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise TreeFlashError("no prompt: pass --prompt TEXT or pipe text on standard input")
         prompt = sys.stdin.read()
     if not prompt:
         raise TreeFlashError("the prompt is empty")
-    if max_seq_len < 2:
-        raise TreeFlashError(f"--max-seq-len {max_seq_len} is too small")
 
     import torch
     from transformers.utils import logging as hf_logging
 
-    from treeflash_export.checkpoints import load_pair, parse_dtype
-
-    from .backends import get_runner_class
     from .loop import generate
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    dev = _pick_device(device)
-    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
-    def check(vcfg, dcfg):
-        if dcfg is not None:
-            tree.validate(block_size=dcfg.block_size, vocab_size=dcfg.vocab_size, has_head=dcfg.has_head)
-
-    pair = load_pair(model, drafter if mode != "ar" else None, dtype=torch_dtype, device=dev, check=check)
-    tok = pair.tokenizer
+    if artifacts is None:
+        tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
+        runner, tok, base_stops, dev, dtype_name = _runner_from_checkpoints(
+            model, drafter, tree, max_seq_len or 2048, backend, device, dtype)
+    else:
+        tree, runner, tok, base_stops, dev, dtype_name = _runner_from_artifacts(
+            artifacts, verify_checksums, requested, max_seq_len, backend, device, dtype)
     if chat:
         if not getattr(tok, "chat_template", None):
             raise TreeFlashError("--chat: this tokenizer has no chat template")
@@ -139,9 +145,9 @@ def _run(model, drafter, prompt, chat, mode, tree_size, top_m, top_k, drafter_te
             ids = ids["input_ids"]
     else:
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    stops = set(stop_token_ids) | (set() if ignore_eos else set(base_stops))
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                              stop_token_ids=_stop_ids(tok, pair.verifier, stop_token_ids, ignore_eos))
-    runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=max_seq_len)
+                              stop_token_ids=tuple(sorted(stops)))
     streamer = None if as_json else _Streamer(tok, sys.stdout)
     result = generate(runner, ids, tree, sampling, on_tokens=streamer)
     text = tok.decode(result.token_ids, skip_special_tokens=True)
@@ -154,7 +160,8 @@ def _run(model, drafter, prompt, chat, mode, tree_size, top_m, top_k, drafter_te
             "new_tokens": s.new_tokens, "elapsed_s": s.elapsed_s, "tokens_per_s": s.tokens_per_s,
             "prefill_s": s.prefill_s, "prompt_tokens": s.prompt_tokens, "stop_reason": result.stop_reason,
             "tree_size": resolved.tree_size, "top_m": resolved.top_m, "top_k": resolved.top_k,
-            "temperature": temperature, "top_p": top_p, "seed": seed, "device": dev, "dtype": str(torch_dtype),
+            "temperature": temperature, "top_p": top_p, "seed": seed, "device": str(dev), "dtype": dtype_name,
+            "artifacts": artifacts,
         }
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
@@ -164,6 +171,60 @@ def _run(model, drafter, prompt, chat, mode, tree_size, top_m, top_k, drafter_te
             f"{s.mean_accepted:.2f} tokens/round, {s.tokens_per_s:.1f} tok/s ({result.stop_reason})",
             err=True,
         )
+
+
+def _eos_ids(tokenizer, verifier) -> set[int]:
+    ids = set()
+    for source in (getattr(tokenizer, "eos_token_id", None),
+                   getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return ids
+
+
+def _runner_from_checkpoints(model, drafter, tree, capacity, backend, device, dtype):
+    from treeflash_export.checkpoints import load_pair, parse_dtype
+
+    from .backends import get_runner_class
+
+    dev = _pick_device(device)
+    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
+
+    def check(vcfg, dcfg):
+        if dcfg is not None and tree.mode != "ar":
+            tree.validate(block_size=dcfg.block_size, vocab_size=dcfg.vocab_size, has_head=dcfg.has_head)
+
+    pair = load_pair(model, drafter if tree.mode != "ar" else None, dtype=torch_dtype, device=dev, check=check)
+    runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity)
+    return runner, pair.tokenizer, _eos_ids(pair.tokenizer, pair.verifier), dev, str(torch_dtype).replace("torch.", "")
+
+
+def _runner_from_artifacts(folder, verify_checksums, requested, max_seq_len, backend, device, dtype):
+    from treeflash_export.artifact import check_tree_request, load_artifact
+    from treeflash_export.checkpoints import load_tokenizer
+
+    from .backends import get_runner_class
+
+    art = load_artifact(folder, verify_checksums=verify_checksums)
+    wants_ar = requested["mode"] == "ar"
+    check_tree_request(art, {k: v for k, v in requested.items() if not (wants_ar and k == "mode")})
+    tree = TreeConfig(mode="ar") if wants_ar else art.tree
+    if max_seq_len is not None and max_seq_len != art.shapes.capacity:
+        raise TreeFlashError(f"artifact was built with --max-seq-len {art.shapes.capacity}, not {max_seq_len}: "
+                             f"omit the option or rebuild")
+    if dtype not in ("auto", art.dtype):
+        raise TreeFlashError(f"artifact was built in {art.dtype}, not {dtype}: omit --dtype or rebuild")
+    tok = load_tokenizer(art.root / "tokenizer")
+    if backend == "torch":
+        src = art.manifest["sources"]
+        runner, _, _, dev, name = _runner_from_checkpoints(src["verifier"], src["drafter"], tree, art.shapes.capacity,
+                                                           "torch", device, art.dtype)
+        return tree, runner, tok, art.stop_token_ids, dev, name
+    cls = get_runner_class(backend)
+    runner = cls(art) if backend == "onnxruntime" else cls(art, device=_pick_device("cuda" if device == "auto" else device))
+    return tree, runner, tok, art.stop_token_ids, runner.device, art.dtype
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`treeflash-export`: build artifacts from checkpoints (the build command arrives with the export work)."""
+"""`treeflash-export`: build deployable artifacts (ONNX graphs, engines, manifest) from checkpoints."""
 
 from __future__ import annotations
 
@@ -6,12 +6,64 @@ import sys
 
 import click
 
+from .config import MODES
 from .errors import TreeFlashError
+from .export import TARGETS, VARIANTS, BuildConfig
+
+_B = BuildConfig()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def main():
     """Export TreeFlash verifier/drafter pairs for deployment."""
+
+
+@main.command("build")
+@click.option("--model", required=True, help="Verifier: a local Hugging Face folder or a hub id.")
+@click.option("--drafter", required=True, help="TreeFlash or DFlash drafter: a local folder or a hub id.")
+@click.option("--out", default=None, type=click.Path(file_okay=False),
+              help="Artifact folder to write. [default: artifacts/<model>-<mode>-n<N>-<dtype>-<target>]")
+@click.option("--mode", type=click.Choice([m for m in MODES if m != "ar"]), default=_B.mode,
+              help="Tree mode baked into the expand graph.")
+@click.option("--tree-size", type=int, default=_B.tree_size, help="Tree nodes per round N, root included.")
+@click.option("--top-m", type=int, default=_B.top_m, help="Candidate parents per position (treeflash).")
+@click.option("--top-k", type=int, default=_B.top_k, help="Children per parent row.")
+@click.option("--drafter-temperature", type=float, default=_B.drafter_temperature)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=_B.dtype,
+              help="Precision of weights, caches and activations (the engines are strongly typed).")
+@click.option("--max-seq-len", type=int, default=_B.max_seq_len, help="KV cache capacity S.")
+@click.option("--prefill-chunk", type=int, default=_B.prefill_chunk,
+              help="Prompt tokens per verify call during prefill (the verify graph's largest token count).")
+@click.option("--target", type=click.Choice(TARGETS), default=_B.target,
+              help="onnx only, or also build TensorRT / TensorRT-RTX engines.")
+@click.option("--variant", type=click.Choice(VARIANTS), default=_B.variant,
+              help="reference = standard ONNX ops only.")
+@click.option("--opset", type=int, default=_B.opset, help="ONNX opset.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (swapped in only when the build succeeds).")
+@click.option("--no-validate", is_flag=True, help="Skip the ONNX Runtime vs eager parity check.")
+def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temperature, dtype, max_seq_len,
+              prefill_chunk, target, variant, opset, force, no_validate):
+    """Trace the verify, draft and expand graphs, export them to ONNX, optionally build engines,
+    and write one artifact folder with a manifest (checksums, versions, I/O specs, settings).
+
+    The folder appears only when everything succeeded.
+    """
+    from transformers.utils import logging as hf_logging
+
+    from .export import build
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    cfg = BuildConfig(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
+                      drafter_temperature=drafter_temperature, dtype=dtype, max_seq_len=max_seq_len,
+                      prefill_chunk=prefill_chunk, target=target, variant=variant, opset=opset)
+    try:
+        path = build(model, drafter, out, cfg, force=force, validate=not no_validate,
+                     log=lambda m: click.echo(m, err=True))
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(str(path))
 
 
 @main.command("tiny-pair")

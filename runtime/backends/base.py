@@ -19,6 +19,10 @@ from treeflash_export.tree import Tree
 # name -> (module, class, what to install when the import fails). Imported lazily.
 BACKENDS: dict[str, tuple[str, str, str]] = {
     "torch": ("treeflash_runtime.backends.torch_backend", "TorchRunner", "torch"),
+    "onnxruntime": ("treeflash_runtime.backends.onnxruntime_backend", "OnnxRuntimeRunner",
+                    "onnxruntime (pip install 'treeflash-export[onnx]')"),
+    "tensorrt": ("treeflash_runtime.backends.tensorrt_backend", "TensorRTRunner",
+                 "tensorrt (pip install 'treeflash-export[tensorrt]' on an NVIDIA GPU machine)"),
 }
 
 

@@ -1,0 +1,71 @@
+"""TensorRT backend: the artifact's engines on one CUDA stream.
+
+Caches and all graph inputs/outputs are torch CUDA tensors whose addresses are
+bound to the engines (set_tensor_address), so K/V stay in place on the GPU; the
+runtime writes new K/V and compacts accepted K/V with device copies. Inside a
+round the host only reads what the loop needs to branch on (the accepted path).
+Written against the TensorRT 10/11 Python API; it cannot run on machines without
+an NVIDIA GPU and TensorRT, where its tests are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeflash_export.artifact import Artifact, ArtifactError
+from treeflash_export.engines import import_trt
+from treeflash_export.errors import TreeFlashError
+
+from .graph_runner import TORCH_DTYPES, GraphRunner
+
+
+class TensorRTRunner(GraphRunner):
+    name = "tensorrt"
+
+    def __init__(self, artifact: Artifact, *, device: str = "cuda"):
+        trt = import_trt("tensorrt")
+        if not torch.cuda.is_available():
+            raise TreeFlashError("the TensorRT backend needs a CUDA GPU; torch sees none")
+        built = artifact.manifest["versions"].get("tensorrt")
+        if artifact.manifest["build"]["target"] != "tensorrt":
+            raise ArtifactError(f"artifact {artifact.root} has no TensorRT engines "
+                                f"(built with --target {artifact.manifest['build']['target']})")
+        if built != trt.__version__:
+            raise ArtifactError(f"engines were built with TensorRT {built}, this machine has {trt.__version__}: "
+                                f"rebuild the artifact here (engines are not portable across versions)")
+        super().__init__(artifact, torch.device(device))
+        self.trt = trt
+        logger = trt.Logger(trt.Logger.WARNING)
+        trt.init_libnvinfer_plugins(logger, "")  # plugins load before any engine is deserialised
+        runtime = trt.Runtime(logger)
+        self.engines, self.contexts = {}, {}
+        for g in self.specs:
+            engine = runtime.deserialize_cuda_engine(artifact.path(g, "engine").read_bytes())
+            if engine is None:
+                raise ArtifactError(f"cannot deserialise engine for {g!r}: corrupt, or built for another GPU")
+            self.engines[g] = engine
+            self.contexts[g] = engine.create_execution_context()
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def run_graph(self, name, feeds):
+        spec, ctx = self.specs[name], self.contexts[name]
+        spec.check_inputs(feeds)
+        dims = {}
+        for s in spec.inputs:
+            t = feeds[s.name].contiguous()
+            feeds[s.name] = t
+            for want, got in zip(s.shape, t.shape):
+                if isinstance(want, str):
+                    dims[want] = got
+            ctx.set_input_shape(s.name, tuple(t.shape))
+            ctx.set_tensor_address(s.name, t.data_ptr())
+        outs = {}
+        for s in spec.outputs:
+            shape = tuple(dims[d] if isinstance(d, str) else d for d in s.shape)
+            outs[s.name] = torch.empty(shape, dtype=TORCH_DTYPES[s.dtype], device=self.device)
+            ctx.set_tensor_address(s.name, outs[s.name].data_ptr())
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if not ctx.execute_async_v3(self.stream.cuda_stream):
+            raise TreeFlashError(f"TensorRT failed to run the {name} engine")
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return outs
