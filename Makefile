@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	    $(BIN)/pip install --retries 1 "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
 	  fi; \
 	fi
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,onnx,rtx]'
 	@touch $@
 
 $(TINY): | setup

@@ -223,7 +223,7 @@ def _runner_from_artifacts(folder, verify_checksums, requested, max_seq_len, bac
                                                            "torch", device, art.dtype)
         return tree, runner, tok, art.stop_token_ids, dev, name
     cls = get_runner_class(backend)
-    runner = cls(art) if backend == "onnxruntime" else cls(art, device=_pick_device("cuda" if device == "auto" else device))
+    runner = cls(art) if backend == "onnxruntime" else cls(art, device="cuda" if device == "auto" else device)
     return tree, runner, tok, art.stop_token_ids, runner.device, art.dtype
 
 

@@ -22,19 +22,16 @@ NEW_TOKENS = 64
 SETTINGS = dict(tree_size=24, top_m=4, top_k=4)
 
 
-class OracleRunner(TorchRunner):
-    """Runs the real drafter (so its context cache is exercised), then plants the true
-    continuation in the tables at random ranks, wired through random rows, with steep
-    synthetic scores that make the tree deep. Some depths get no true token at all."""
+class Oracle:
+    """Plants the true continuation in transition tables at random ranks, wired through random
+    rows, with steep synthetic scores that make the tree deep. Some rounds stop knowing the truth
+    after a few depths, so wrong branches and partial acceptance occur too."""
 
-    def __init__(self, *args, truth: list[int], seed: int, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, truth: list[int], seed: int):
         self.truth = truth  # prompt + the verifier's greedy continuation
         self.rng = random.Random(seed)
 
-    def propose(self, root, ctx_features, ctx_start, past_len, tree):
-        z = self.draft_block(root, ctx_features, ctx_start, past_len)
-        t = self.tables(root, z, tree)
+    def plant(self, t: Tables, past_len: int) -> Tables:
         tok, nxt = t.tokens.clone(), t.next_row.clone()
         D, M, K = tok.shape
         lp = -0.05 - 1.2 * torch.arange(K, dtype=torch.float32, device=tok.device).expand(D, M, K).clone()
@@ -53,7 +50,20 @@ class OracleRunner(TorchRunner):
             nxt_row = self.rng.randrange(M) if d + 1 < D else -1
             nxt[d, row, rank] = nxt_row
             row = max(nxt_row, 0)
-        return build_tree(Tables(tok, lp, nxt), root, tree.tree_size)
+        return Tables(tok, lp, nxt)
+
+
+class OracleRunner(TorchRunner):
+    """Runs the real drafter (so its context cache is exercised), then plants the truth."""
+
+    def __init__(self, *args, truth: list[int], seed: int, **kw):
+        super().__init__(*args, **kw)
+        self.oracle = Oracle(truth, seed)
+
+    def propose(self, root, ctx_features, ctx_start, past_len, tree):
+        z = self.draft_block(root, ctx_features, ctx_start, past_len)
+        planted = self.oracle.plant(self.tables(root, z, tree), past_len)
+        return build_tree(planted, root, tree.tree_size)
 
 
 def _ids(pair, prompt):

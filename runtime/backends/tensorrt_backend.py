@@ -23,13 +23,13 @@ class TensorRTRunner(GraphRunner):
     name = "tensorrt"
 
     def __init__(self, artifact: Artifact, *, device: str = "cuda"):
+        if artifact.manifest["build"]["target"] != "tensorrt":
+            raise ArtifactError(f"artifact {artifact.root} has no TensorRT engines (built with --target "
+                                f"{artifact.manifest['build']['target']}); rebuild with --target tensorrt")
         trt = import_trt("tensorrt")
         if not torch.cuda.is_available():
             raise TreeFlashError("the TensorRT backend needs a CUDA GPU; torch sees none")
         built = artifact.manifest["versions"].get("tensorrt")
-        if artifact.manifest["build"]["target"] != "tensorrt":
-            raise ArtifactError(f"artifact {artifact.root} has no TensorRT engines "
-                                f"(built with --target {artifact.manifest['build']['target']})")
         if built != trt.__version__:
             raise ArtifactError(f"engines were built with TensorRT {built}, this machine has {trt.__version__}: "
                                 f"rebuild the artifact here (engines are not portable across versions)")

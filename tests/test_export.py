@@ -1,0 +1,249 @@
+"""Export pipeline: ONNX graphs, parity, artifact integrity, ONNX Runtime exactness, engine builds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import PROMPTS, hf_greedy
+from test_exactness import Oracle
+
+from treeflash_export import export as export_mod
+from treeflash_export.artifact import ArtifactError, load_artifact
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_export.export import BuildConfig, build
+from treeflash_export.tree import Tables, build_tree
+from treeflash_runtime import generate
+from treeflash_runtime.backends.onnxruntime_backend import OnnxRuntimeRunner
+from treeflash_runtime.cli import main as run_main
+
+NEW = 64
+TREE = dict(tree_size=16, top_m=4, top_k=4)
+BUILDS = [("qwen3", "treeflash"), ("qwen3", "marginal"), ("qwen3", "chain"),
+          ("llama", "treeflash"), ("llama", "marginal"), ("llama", "chain")]
+
+
+@pytest.fixture(scope="module")
+def artifacts(pair_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    made = {}
+
+    def get(name, mode):
+        if (name, mode) not in made:
+            d = pair_dirs[name]
+            made[name, mode] = build(str(d / "verifier"), str(d / "drafter"), root / f"{name}-{mode}",
+                                     BuildConfig(mode=mode, max_seq_len=192, prefill_chunk=16, **TREE), log=lambda m: None)
+        return load_artifact(made[name, mode])
+
+    return get
+
+
+@pytest.mark.parametrize("name,mode", BUILDS)
+def test_parity_report_and_manifest(artifacts, name, mode):
+    art = artifacts(name, mode)
+    m = art.manifest
+    assert set(m["graphs"]) == {"verify", "draft", "expand"}
+    for graph, outputs in m["parity"].items():
+        for out, r in outputs.items():
+            assert r["ok"] and r["max_abs_diff"] <= 1e-4, (graph, out, r)  # fp32: seen about 1e-6
+    # Tree outputs are integers and masks: exactly equal.
+    assert all(r["max_abs_diff"] == 0 for r in m["parity"]["expand"].values())
+    assert m["tree"]["mode"] == mode and m["shapes"]["capacity"] == 192
+    assert all(g["weight_bytes"] > 0 for g in m["graphs"].values())
+    assert {"onnx/verify.onnx", "onnx/draft.onnx", "onnx/expand.onnx", "tokenizer/tokenizer.json"} <= set(m["files"])
+    assert m["versions"]["treeflash_export"] and m["versions"]["onnxruntime"]
+
+
+@pytest.mark.parametrize("name,mode", BUILDS)
+def test_onnxruntime_greedy_equals_verifier(load, artifacts, name, mode):
+    art = artifacts(name, mode)
+    pair = load(name)
+    runner = OnnxRuntimeRunner(art)
+    for i, prompt in enumerate(PROMPTS):
+        ids = pair.tokenizer(prompt)["input_ids"]
+        ref = hf_greedy(pair.verifier, ids, NEW)
+        res = generate(runner, ids, art.tree, SamplingConfig(max_new_tokens=NEW))
+        assert res.token_ids == ref, (name, mode, i)
+    res = generate(runner, ids, TreeConfig(mode="ar"), SamplingConfig(max_new_tokens=NEW))
+    assert res.token_ids == ref
+
+
+class OracleOrtRunner(OnnxRuntimeRunner):
+    """Runs the real draft and expand graphs, then swaps in a tree that hides the true
+    continuation (as in test_exactness), so the ONNX verify graph and the runtime's KV
+    compaction see rounds that accept many tokens."""
+
+    def __init__(self, art, truth, seed):
+        super().__init__(art)
+        self.oracle = Oracle(truth, seed)
+
+    def propose(self, root, ctx, ctx_start, past_len, tree):
+        real = super().propose(root, ctx, ctx_start, past_len, tree)
+        D, M, K = self.block_size - 1, tree.top_m, tree.top_k
+        g = torch.Generator().manual_seed(past_len)
+        tok = torch.stack([torch.stack([torch.randperm(self.vocab_size, generator=g)[:K] for _ in range(M)])
+                           for _ in range(D)])
+        nxt = torch.randint(0, M, (D, M, K), generator=g)
+        nxt[-1] = -1
+        planted = self.oracle.plant(Tables(tok, torch.zeros(D, M, K), nxt), past_len)
+        out = build_tree(planted, root, tree.tree_size)
+        assert out.size == real.size
+        return out
+
+
+@pytest.mark.parametrize("name,mode", [("qwen3", "treeflash"), ("llama", "marginal")])
+def test_onnxruntime_oracle_rounds_accept_many_tokens(load, artifacts, name, mode):
+    art = artifacts(name, mode)
+    pair = load(name)
+    gains = []
+    for i, prompt in enumerate(PROMPTS):
+        ids = pair.tokenizer(prompt)["input_ids"]
+        ref = hf_greedy(pair.verifier, ids, NEW)
+        res = generate(OracleOrtRunner(art, ids + ref, i), ids, art.tree, SamplingConfig(max_new_tokens=NEW))
+        assert res.token_ids == ref
+        gains += res.stats.accept_lengths
+    assert max(gains) >= art.shapes.block - 2 and sum(gains) / len(gains) > 2.0, gains
+
+
+def test_run_cli_on_artifact_all_backends(load, artifacts):
+    art = artifacts("qwen3", "treeflash")
+    pair = load("qwen3")
+    ref = hf_greedy(pair.verifier, pair.tokenizer(PROMPTS[0])["input_ids"], 24)
+    outs = {}
+    for backend in ("onnxruntime", "torch"):
+        r = CliRunner().invoke(run_main, ["--artifacts", str(art.root), "--backend", backend, "--prompt", PROMPTS[0],
+                                          "--max-new-tokens", "24", "--ignore-eos", "--json"])
+        assert r.exit_code == 0, r.stderr
+        outs[backend] = json.loads(r.stdout)
+        assert outs[backend]["token_ids"] == ref and outs[backend]["backend"] == backend
+    assert outs["onnxruntime"]["tree_size"] == TREE["tree_size"]
+
+
+def _copy(art, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(art.root, dst)
+    return dst
+
+
+def _cli_error(*args):
+    r = CliRunner().invoke(run_main, [str(a) for a in args] + ["--prompt", "x"])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_corrupted_or_mismatched_artifacts_are_rejected(artifacts, tmp_path):
+    art = artifacts("qwen3", "treeflash")
+    d = _copy(art, tmp_path)
+    onnx_file = d / "onnx" / "expand.onnx"
+    data = bytearray(onnx_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    onnx_file.write_bytes(bytes(data))
+    assert "checksum" in _cli_error("--artifacts", d, "--backend", "onnxruntime")
+    with pytest.raises(ArtifactError, match="checksum"):
+        load_artifact(d)
+    load_artifact(d, verify_checksums=False)  # sizes still match: only the checksum catches it
+
+    (d / "onnx" / "draft.onnx").unlink()
+    assert "draft.onnx is missing" in _cli_error("--artifacts", d, "--backend", "onnxruntime")
+
+    d2 = tmp_path / "d2"
+    shutil.copytree(art.root, d2)
+    m = json.loads((d2 / "manifest.json").read_text())
+    m["format_version"] = 99
+    (d2 / "manifest.json").write_text(json.dumps(m))
+    assert "format version 99" in _cli_error("--artifacts", d2)
+    (d2 / "manifest.json").write_text("{ not json")
+    assert "unreadable" in _cli_error("--artifacts", d2)
+    (d2 / "manifest.json").unlink()
+    assert "no manifest.json" in _cli_error("--artifacts", d2)
+
+    assert "tree-size 16, not 32" in _cli_error("--artifacts", art.root, "--tree-size", 32)
+    assert "top-k 4, not 5" in _cli_error("--artifacts", art.root, "--top-k", 5)
+    assert "treeflash" in _cli_error("--artifacts", art.root, "--mode", "marginal")
+    assert "max-seq-len 192" in _cli_error("--artifacts", art.root, "--max-seq-len", 256)
+    assert "--artifacts replaces" in _cli_error("--artifacts", art.root, "--model", art.root)
+    assert "no TensorRT engines" in _cli_error("--artifacts", art.root, "--backend", "tensorrt")
+
+
+def test_interrupted_build_leaves_nothing_complete(pair_dirs, tmp_path, monkeypatch):
+    d = pair_dirs["qwen3"]
+    calls = {"n": 0}
+    real = export_mod.export_onnx
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C during the second graph
+        return real(*a, **k)
+
+    monkeypatch.setattr(export_mod, "export_onnx", flaky)
+    out = tmp_path / "art"
+    with pytest.raises(KeyboardInterrupt):
+        build(str(d / "verifier"), str(d / "drafter"), out, BuildConfig(max_seq_len=128, **TREE), log=lambda m: None)
+    assert not out.exists()
+    assert os.listdir(tmp_path) == []  # the temporary folder is gone too
+
+
+def test_failed_rebuild_keeps_the_old_artifact(artifacts, pair_dirs, tmp_path, monkeypatch):
+    art = artifacts("qwen3", "chain")
+    d = _copy(art, tmp_path)
+    before = (d / "manifest.json").read_text()
+
+    def broken(*a, **k):
+        raise RuntimeError("exporter exploded")
+
+    monkeypatch.setattr(export_mod, "export_onnx", broken)
+    p = pair_dirs["qwen3"]
+    with pytest.raises(RuntimeError):
+        build(str(p / "verifier"), str(p / "drafter"), d, BuildConfig(mode="chain", max_seq_len=192, **TREE),
+              force=True, log=lambda m: None)
+    assert (d / "manifest.json").read_text() == before
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["copy"]
+
+
+def test_build_cli_errors(pair_dirs, tmp_path):
+    from treeflash_export.cli import main as export_main
+
+    d = pair_dirs["qwen3-dflash"]
+    r = CliRunner().invoke(export_main, ["build", "--model", str(d / "verifier"), "--drafter", str(d / "drafter"),
+                                         "--out", str(tmp_path / "a")])
+    assert r.exit_code == 2 and "head" in r.stderr and not (tmp_path / "a").exists()
+    r = CliRunner().invoke(export_main, ["build", "--model", str(d / "verifier"), "--drafter", str(d / "drafter"),
+                                         "--out", str(tmp_path), "--mode", "chain"])
+    assert r.exit_code == 2 and "already exists" in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None,
+                    reason="tensorrt-rtx is not installed (pip install tensorrt-rtx-cu13)")
+def test_tensorrt_rtx_builds_every_graph(pair_dirs, tmp_path):
+    """TensorRT-RTX parses, builds and serialises the fp16 reference graphs with no GPU."""
+    d = pair_dirs["qwen3"]
+    out = build(str(d / "verifier"), str(d / "drafter"), tmp_path / "rtx",
+                BuildConfig(dtype="float16", target="tensorrt-rtx", max_seq_len=128, **TREE), log=lambda m: None)
+    art = load_artifact(out)
+    for g in ("verify", "draft", "expand"):
+        plan = art.path(g, "engine")
+        assert plan.name == f"{g}.rtx.plan" and plan.stat().st_size > 10_000
+        assert art.manifest["files"][f"engines/{g}.rtx.plan"]["bytes"] == plan.stat().st_size
+    assert art.manifest["versions"]["tensorrt-rtx"].startswith("1.")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None,
+                    reason="TensorRT is not installed (it needs NVIDIA's package index and a GPU machine)")
+def test_tensorrt_engines_greedy_equals_verifier(load, pair_dirs, tmp_path):
+    from treeflash_runtime.backends.tensorrt_backend import TensorRTRunner
+
+    d = pair_dirs["qwen3"]
+    out = build(str(d / "verifier"), str(d / "drafter"), tmp_path / "trt",
+                BuildConfig(target="tensorrt", max_seq_len=192, **TREE), log=lambda m: None)
+    art = load_artifact(out)
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    res = generate(TensorRTRunner(art), ids, art.tree, SamplingConfig(max_new_tokens=NEW))
+    assert res.token_ids == hf_greedy(pair.verifier, ids, NEW)
