@@ -32,16 +32,6 @@ class _Streamer:
         self.printed = len(text)
 
 
-def _pick_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TreeFlashError(f"--device {device} asked for, but this torch build sees no CUDA GPU")
-    return device
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id.")
 @click.option("--drafter", default=None, help="TreeFlash or DFlash drafter: a local folder or a hub id "
@@ -122,20 +112,20 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
     if not prompt:
         raise TreeFlashError("the prompt is empty")
 
-    import torch
     from transformers.utils import logging as hf_logging
 
+    from .factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
     from .loop import generate
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if artifacts is None:
         tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
-        runner, tok, base_stops, dev, dtype_name = _runner_from_checkpoints(
-            model, drafter, tree, max_seq_len or 2048, backend, device, dtype)
+        sess = session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device, dtype)
     else:
-        tree, runner, tok, base_stops, dev, dtype_name = _runner_from_artifacts(
-            artifacts, verify_checksums, requested, max_seq_len, backend, device, dtype)
+        sess = session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend,
+                                      device=device, dtype=dtype, verify_checksums=verify_checksums)
+    tree, runner, tok = sess.tree, sess.runner, sess.tokenizer
     if chat:
         if not getattr(tok, "chat_template", None):
             raise TreeFlashError("--chat: this tokenizer has no chat template")
@@ -145,7 +135,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
             ids = ids["input_ids"]
     else:
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
-    stops = set(stop_token_ids) | (set() if ignore_eos else set(base_stops))
+    stops = set(stop_token_ids) | (set() if ignore_eos else set(sess.stop_token_ids))
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
                               stop_token_ids=tuple(sorted(stops)))
     streamer = None if as_json else _Streamer(tok, sys.stdout)
@@ -160,7 +150,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
             "new_tokens": s.new_tokens, "elapsed_s": s.elapsed_s, "tokens_per_s": s.tokens_per_s,
             "prefill_s": s.prefill_s, "prompt_tokens": s.prompt_tokens, "stop_reason": result.stop_reason,
             "tree_size": resolved.tree_size, "top_m": resolved.top_m, "top_k": resolved.top_k,
-            "temperature": temperature, "top_p": top_p, "seed": seed, "device": str(dev), "dtype": dtype_name,
+            "temperature": temperature, "top_p": top_p, "seed": seed, "device": str(runner.device), "dtype": sess.dtype,
             "artifacts": artifacts,
         }
         sys.stdout.write(json.dumps(payload) + "\n")
@@ -171,60 +161,6 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
             f"{s.mean_accepted:.2f} tokens/round, {s.tokens_per_s:.1f} tok/s ({result.stop_reason})",
             err=True,
         )
-
-
-def _eos_ids(tokenizer, verifier) -> set[int]:
-    ids = set()
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    return ids
-
-
-def _runner_from_checkpoints(model, drafter, tree, capacity, backend, device, dtype):
-    from treeflash_export.checkpoints import load_pair, parse_dtype
-
-    from .backends import get_runner_class
-
-    dev = _pick_device(device)
-    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
-
-    def check(vcfg, dcfg):
-        if dcfg is not None and tree.mode != "ar":
-            tree.validate(block_size=dcfg.block_size, vocab_size=dcfg.vocab_size, has_head=dcfg.has_head)
-
-    pair = load_pair(model, drafter if tree.mode != "ar" else None, dtype=torch_dtype, device=dev, check=check)
-    runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity)
-    return runner, pair.tokenizer, _eos_ids(pair.tokenizer, pair.verifier), dev, str(torch_dtype).replace("torch.", "")
-
-
-def _runner_from_artifacts(folder, verify_checksums, requested, max_seq_len, backend, device, dtype):
-    from treeflash_export.artifact import check_tree_request, load_artifact
-    from treeflash_export.checkpoints import load_tokenizer
-
-    from .backends import get_runner_class
-
-    art = load_artifact(folder, verify_checksums=verify_checksums)
-    wants_ar = requested["mode"] == "ar"
-    check_tree_request(art, {k: v for k, v in requested.items() if not (wants_ar and k == "mode")})
-    tree = TreeConfig(mode="ar") if wants_ar else art.tree
-    if max_seq_len is not None and max_seq_len != art.shapes.capacity:
-        raise TreeFlashError(f"artifact was built with --max-seq-len {art.shapes.capacity}, not {max_seq_len}: "
-                             f"omit the option or rebuild")
-    if dtype not in ("auto", art.dtype):
-        raise TreeFlashError(f"artifact was built in {art.dtype}, not {dtype}: omit --dtype or rebuild")
-    tok = load_tokenizer(art.root / "tokenizer")
-    if backend == "torch":
-        src = art.manifest["sources"]
-        runner, _, _, dev, name = _runner_from_checkpoints(src["verifier"], src["drafter"], tree, art.shapes.capacity,
-                                                           "torch", device, art.dtype)
-        return tree, runner, tok, art.stop_token_ids, dev, name
-    cls = get_runner_class(backend)
-    runner = cls(art) if backend == "onnxruntime" else cls(art, device="cuda" if device == "auto" else device)
-    return tree, runner, tok, art.stop_token_ids, runner.device, art.dtype
 
 
 if __name__ == "__main__":

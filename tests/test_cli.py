@@ -172,3 +172,21 @@ def test_export_tiny_pair_command(tmp_path):
     r = CliRunner().invoke(export_main, ["tiny-pair", "--out", str(tmp_path / "p")])
     assert r.exit_code != 0 and "already exists" in r.stderr
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_bench_reports_side_by_side_ratios(pair_dirs):
+    from treeflash_runtime.bench import main as bench_main
+
+    d = pair_dirs["qwen3"]
+    r = CliRunner().invoke(bench_main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"),
+                                        "--modes", "treeflash,chain", "--tree-size", "16", "--top-m", "4",
+                                        "--top-k", "4", "--max-new-tokens", "12", "--prompt", "def f(x):",
+                                        "--prompt", "Hello", "--json"])
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout)
+    rows = {row["mode"]: row for row in report["rows"]}
+    assert set(rows) == {"treeflash", "chain", "ar"}
+    assert report["identical_outputs"] is True
+    assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["ar"]["mean_accepted"] == 1.0
+    for row in rows.values():
+        assert row["new_tokens"] == 2 * 12 and row["tokens_per_s"] > 0

@@ -180,6 +180,18 @@ def validate_pair(verifier_cfg: Any, drafter: DrafterConfig) -> None:
         raise CheckpointError(f"mask_token_id {drafter.mask_token_id} out of range: verifier vocabulary is {vv}")
 
 
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (either may list several)."""
+    ids = set()
+    for source in (getattr(tokenizer, "eos_token_id", None),
+                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return sorted(ids)
+
+
 @dataclass
 class LoadedPair:
     verifier: Any  # Hugging Face causal LM

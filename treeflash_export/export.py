@@ -206,7 +206,7 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
     if out.exists() and not force:
         raise TreeFlashError(f"{out} already exists; pass --force to replace it or choose another --out")
     tree = cfg.tree()
-    from .checkpoints import load_pair
+    from .checkpoints import eos_token_ids, load_pair
 
     steps = 4 + (cfg.target != "onnx")
     t0 = time.perf_counter()
@@ -285,7 +285,7 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
             "build": dataclasses.asdict(cfg),
             "tree": dataclasses.asdict(tree),
             "shapes": dataclasses.asdict(sh),
-            "stop_token_ids": _eos_ids(pair),
+            "stop_token_ids": eos_token_ids(pair.tokenizer, pair.verifier),
             "graphs": graphs,
             "parity": report,
             "files": file_table(tmp),
@@ -297,17 +297,6 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
         raise
     log(f"artifact written to {out} ({time.perf_counter() - t0:.1f}s)")
     return out
-
-
-def _eos_ids(pair) -> list[int]:
-    ids = set()
-    for source in (getattr(pair.tokenizer, "eos_token_id", None),
-                   getattr(getattr(pair.verifier, "generation_config", None), "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    return sorted(ids)
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

@@ -1,0 +1,148 @@
+"""`treeflash-bench`: speculative vs plain decoding, and backend vs backend, side by side in one run.
+
+Every configuration runs the same prompts in one process on one machine, after a
+warm-up generation; the report gives tokens per round, tokens per second, and
+ratios against plain decoding (mode ar) on the same backend and against the
+first backend for the same mode. At temperature 0 it also checks that every
+configuration produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from treeflash_export.config import MODES, SamplingConfig, TreeConfig
+from treeflash_export.errors import TreeFlashError
+
+DEFAULT_PROMPTS = (
+    "def quicksort(items):\n",
+    "The history of the printing press",
+    "import json\n\ndef load_config(path):\n",
+)
+
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device):
+    from .factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
+
+    if artifacts:
+        requested = {"mode": mode} if mode == "ar" else {}
+        return session_from_artifacts(artifacts, requested, backend=backend, device=device)
+    tree = TreeConfig(mode=mode, **tree_kw)
+    return session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--artifacts", default=None, type=click.Path(file_okay=False), help="An artifact folder.")
+@click.option("--model", default=None, help="Verifier checkpoint (torch backend, without --artifacts).")
+@click.option("--drafter", default=None, help="Drafter checkpoint (torch backend, without --artifacts).")
+@click.option("--backends", default="torch", help="Comma-separated backends; the first is the reference.")
+@click.option("--modes", default=None, help="Comma-separated modes; 'ar' (plain decoding) is always added. "
+              "[default: the artifact's mode, or treeflash]")
+@click.option("--tree-size", type=int, default=TreeConfig.tree_size)
+@click.option("--top-m", type=int, default=TreeConfig.top_m)
+@click.option("--top-k", type=int, default=TreeConfig.top_k)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable). [default: three built-in prompts]")
+@click.option("--max-new-tokens", type=int, default=64)
+@click.option("--max-seq-len", type=int, default=None)
+@click.option("--repeat", type=int, default=1, help="Timed repetitions per prompt (after one warm-up).")
+@click.option("--device", default="auto")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def main(artifacts, model, drafter, backends, modes, tree_size, top_m, top_k, prompts, max_new_tokens, max_seq_len,
+         repeat, device, as_json):
+    """Benchmark tree speculative decoding against plain decoding (and backends against each other)."""
+    try:
+        report = run_bench(artifacts, model, drafter, _split(backends), modes, dict(tree_size=tree_size, top_m=top_m,
+                           top_k=top_k), list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens, max_seq_len,
+                           repeat, device)
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+    else:
+        click.echo(format_report(report))
+
+
+def run_bench(artifacts, model, drafter, backends, modes, tree_kw, prompts, max_new_tokens, max_seq_len, repeat,
+              device) -> dict:
+    from transformers.utils import logging as hf_logging
+
+    from .loop import generate
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if not artifacts and not model:
+        raise TreeFlashError("pass --artifacts DIR, or --model and --drafter")
+    if modes is None:
+        if artifacts:
+            from treeflash_export.artifact import load_artifact
+
+            modes = load_artifact(artifacts).tree.mode
+        else:
+            modes = "treeflash"
+    mode_list = [m for m in _split(modes) if m != "ar"] + ["ar"]
+    bad = [m for m in mode_list if m not in MODES]
+    if bad:
+        raise TreeFlashError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens)
+    rows, outputs = [], {}
+    for backend in backends:
+        for mode in mode_list:
+            sess = _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device)
+            ids = [sess.tokenizer(p)["input_ids"] for p in prompts]
+            generate(sess.runner, ids[0], sess.tree, sampling)  # warm-up
+            tokens = rounds = gained = 0
+            elapsed = 0.0
+            outs = []
+            for _ in range(repeat):
+                for p in ids:
+                    t0 = time.perf_counter()
+                    res = generate(sess.runner, p, sess.tree, sampling)
+                    elapsed += time.perf_counter() - t0
+                    tokens += res.stats.new_tokens
+                    rounds += res.stats.rounds
+                    gained += sum(res.stats.accept_lengths)
+                    outs.append(res.token_ids)
+            outputs[backend, mode] = outs
+            rows.append({"backend": backend, "mode": mode, "tree_size": sess.tree.resolved(sess.runner.block_size).tree_size,
+                         "new_tokens": tokens, "rounds": rounds, "elapsed_s": elapsed,
+                         "mean_accepted": gained / rounds if rounds else 0.0,
+                         "tokens_per_s": tokens / elapsed if elapsed else 0.0})
+    by = {(r["backend"], r["mode"]): r for r in rows}
+    for r in rows:
+        r["speedup_vs_ar"] = r["tokens_per_s"] / by[r["backend"], "ar"]["tokens_per_s"]
+        r["ratio_vs_" + backends[0]] = r["tokens_per_s"] / by[backends[0], r["mode"]]["tokens_per_s"]
+    reference = next(iter(outputs.values()))
+    identical = all(o == reference for o in outputs.values())
+    import platform
+
+    import torch
+
+    return {"rows": rows, "identical_outputs": identical, "prompts": len(prompts), "repeat": repeat,
+            "max_new_tokens": max_new_tokens, "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "artifacts": artifacts}
+
+
+def format_report(report: dict) -> str:
+    rows = report["rows"]
+    ref = next(k for k in rows[0] if k.startswith("ratio_vs_"))
+    head = f"{'backend':<12} {'mode':<10} {'N':>4} {'tok/round':>9} {'tok/s':>9} {'vs ar':>7} {ref.replace('ratio_', ''):>12}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['backend']:<12} {r['mode']:<10} {r['tree_size']:>4} {r['mean_accepted']:>9.2f} "
+                     f"{r['tokens_per_s']:>9.1f} {r['speedup_vs_ar']:>6.2f}x {r[ref]:>11.2f}x")
+    lines.append(f"greedy outputs identical across all rows: {report['identical_outputs']} "
+                 f"({report['prompts']} prompts x {report['repeat']}, {report['max_new_tokens']} new tokens)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Building a ready-to-generate session (runner, tokenizer, tree settings, stop ids) from
+checkpoints or from an artifact folder; shared by treeflash-run and treeflash-bench."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from treeflash_export.config import TreeConfig
+from treeflash_export.errors import TreeFlashError
+
+from .backends.base import Runner
+
+DEFAULT_CAPACITY = 2048
+
+
+@dataclass
+class Session:
+    runner: Runner
+    tokenizer: Any
+    tree: TreeConfig
+    stop_token_ids: tuple[int, ...]
+    dtype: str
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TreeFlashError(f"--device {device} asked for, but this torch build sees no CUDA GPU")
+    return device
+
+
+def session_from_checkpoints(model: str, drafter: str | None, tree: TreeConfig, capacity: int,
+                             backend: str = "torch", device: str = "auto", dtype: str = "auto") -> Session:
+    from treeflash_export.checkpoints import eos_token_ids, load_pair, parse_dtype
+
+    from .backends import get_runner_class
+
+    if backend != "torch":
+        raise TreeFlashError(f"--backend {backend} runs an artifact folder: pass --artifacts DIR "
+                             f"(build one with treeflash-export build)")
+    dev = pick_device(device)
+    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
+
+    def check(vcfg, dcfg):
+        if dcfg is not None and tree.mode != "ar":
+            tree.validate(block_size=dcfg.block_size, vocab_size=dcfg.vocab_size, has_head=dcfg.has_head)
+
+    pair = load_pair(model, drafter if tree.mode != "ar" else None, dtype=torch_dtype, device=dev, check=check)
+    runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity)
+    return Session(runner, pair.tokenizer, tree, tuple(eos_token_ids(pair.tokenizer, pair.verifier)),
+                   str(torch_dtype).replace("torch.", ""))
+
+
+def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | None = None,
+                           backend: str = "onnxruntime", device: str = "auto", dtype: str = "auto",
+                           verify_checksums: bool = True) -> Session:
+    """requested: tree settings given by the user (None = take the artifact's); mode 'ar' is
+    plain decoding over the artifact's verify graph."""
+    from treeflash_export.artifact import check_tree_request, load_artifact
+    from treeflash_export.checkpoints import load_tokenizer
+
+    from .backends import get_runner_class
+
+    art = load_artifact(folder, verify_checksums=verify_checksums)
+    wants_ar = requested.get("mode") == "ar"
+    check_tree_request(art, {k: v for k, v in requested.items() if not (wants_ar and k == "mode")})
+    tree = TreeConfig(mode="ar") if wants_ar else art.tree
+    if max_seq_len is not None and max_seq_len != art.shapes.capacity:
+        raise TreeFlashError(f"artifact was built with --max-seq-len {art.shapes.capacity}, not {max_seq_len}: "
+                             f"omit the option or rebuild")
+    if dtype not in ("auto", art.dtype):
+        raise TreeFlashError(f"artifact was built in {art.dtype}, not {dtype}: omit --dtype or rebuild")
+    tok = load_tokenizer(art.root / "tokenizer")
+    if backend == "torch":  # the eager model over the source checkpoints, with the artifact's settings
+        src = art.manifest["sources"]
+        sess = session_from_checkpoints(src["verifier"], src["drafter"], tree, art.shapes.capacity, "torch",
+                                        device, art.dtype)
+        return Session(sess.runner, tok, tree, art.stop_token_ids, art.dtype)
+    cls = get_runner_class(backend)
+    runner = cls(art) if backend == "onnxruntime" else cls(art, device="cuda" if device == "auto" else device)
+    return Session(runner, tok, tree, art.stop_token_ids, art.dtype)
