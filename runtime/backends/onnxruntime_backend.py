@@ -22,6 +22,9 @@ class OnnxRuntimeRunner(GraphRunner):
                                  "bfloat16 (use --backend tensorrt, or rebuild with --dtype float32)")
         super().__init__(artifact, torch.device("cpu"))
         opts = ort.SessionOptions()
+        # Three sessions run in turn with torch work between them: spinning worker threads
+        # would steal the cores those need.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if threads:
             opts.intra_op_num_threads = threads
         providers = providers or ["CPUExecutionProvider"]
