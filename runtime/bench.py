@@ -46,22 +46,35 @@ def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, dev
 @click.option("--backends", default="torch", help="Comma-separated backends; the first is the reference.")
 @click.option("--modes", default=None, help="Comma-separated modes; 'ar' (plain decoding) is always added. "
               "[default: the artifact's mode, or treeflash]")
-@click.option("--tree-size", type=int, default=TreeConfig.tree_size)
+@click.option("--tree-sizes", default=str(TreeConfig.tree_size),
+              help="Comma-separated tree sizes N (checkpoints only; an artifact has its own).")
 @click.option("--top-m", type=int, default=TreeConfig.top_m)
 @click.option("--top-k", type=int, default=TreeConfig.top_k)
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable). [default: three built-in prompts]")
+@click.option("--heldout-prompts", type=int, default=0,
+              help="Instead, K prompts cut from the held-out part of the training corpus (never trained on).")
+@click.option("--prompt-tokens", type=int, default=48, help="Length of each held-out prompt in tokens.")
 @click.option("--max-new-tokens", type=int, default=64)
 @click.option("--max-seq-len", type=int, default=None)
 @click.option("--repeat", type=int, default=1, help="Timed repetitions per prompt (after one warm-up).")
 @click.option("--device", default="auto")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def main(artifacts, model, drafter, backends, modes, tree_size, top_m, top_k, prompts, max_new_tokens, max_seq_len,
-         repeat, device, as_json):
-    """Benchmark tree speculative decoding against plain decoding (and backends against each other)."""
+def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
+         prompt_tokens, max_new_tokens, max_seq_len, repeat, device, as_json):
+    """Benchmark tree speculative decoding against plain decoding (and backends against each other).
+
+    Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
+    demo drafter).
+    """
     try:
-        report = run_bench(artifacts, model, drafter, _split(backends), modes, dict(tree_size=tree_size, top_m=top_m,
-                           top_k=top_k), list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens, max_seq_len,
-                           repeat, device)
+        if not artifacts and not model:
+            from .factory import default_pair
+
+            model, drafter = default_pair(log=lambda m: click.echo(m, err=True))
+        source = ("heldout", heldout_prompts, prompt_tokens) if heldout_prompts else list(prompts) or list(DEFAULT_PROMPTS)
+        report = run_bench(artifacts, model, drafter, _split(backends), modes,
+                           [int(n) for n in _split(tree_sizes)], dict(top_m=top_m, top_k=top_k), source,
+                           max_new_tokens, max_seq_len, repeat, device)
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -71,16 +84,25 @@ def main(artifacts, model, drafter, backends, modes, tree_size, top_m, top_k, pr
         click.echo(format_report(report))
 
 
-def run_bench(artifacts, model, drafter, backends, modes, tree_kw, prompts, max_new_tokens, max_seq_len, repeat,
-              device) -> dict:
+def _prompt_ids(source, tokenizer) -> list[list[int]]:
+    if isinstance(source, tuple):  # ("heldout", count, length): the training corpus's held-out files
+        import random
+
+        from treeflash_export.train import corpus_files, sample_prompts
+
+        _, count, length = source
+        return sample_prompts(corpus_files()[1], tokenizer, count, length, random.Random(1234))
+    return [tokenizer(p)["input_ids"] for p in source]
+
+
+def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, prompts, max_new_tokens,
+              max_seq_len, repeat, device) -> dict:
     from transformers.utils import logging as hf_logging
 
     from .loop import generate
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    if not artifacts and not model:
-        raise TreeFlashError("pass --artifacts DIR, or --model and --drafter")
     if modes is None:
         if artifacts:
             from treeflash_export.artifact import load_artifact
@@ -94,10 +116,15 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_kw, prompts, max_
         raise TreeFlashError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     rows, outputs = [], {}
+    configs = [(m, n) for m in mode_list if m not in ("ar", "chain") for n in (tree_sizes if not artifacts else [None])]
+    configs = [(m, None) for m in mode_list if m == "chain"] + configs + [("ar", None)]
+    ids = None
     for backend in backends:
-        for mode in mode_list:
-            sess = _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device)
-            ids = [sess.tokenizer(p)["input_ids"] for p in prompts]
+        for mode, size in configs:
+            kw = dict(tree_kw, tree_size=size) if size else dict(tree_kw)
+            sess = _session(artifacts, model, drafter, backend, mode, kw, max_seq_len, device)
+            if ids is None:
+                ids = _prompt_ids(prompts, sess.tokenizer)
             generate(sess.runner, ids[0], sess.tree, sampling)  # warm-up
             tokens = rounds = gained = 0
             elapsed = 0.0
@@ -111,22 +138,22 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_kw, prompts, max_
                     rounds += res.stats.rounds
                     gained += sum(res.stats.accept_lengths)
                     outs.append(res.token_ids)
-            outputs[backend, mode] = outs
+            outputs[backend, mode, size] = outs
             rows.append({"backend": backend, "mode": mode, "tree_size": sess.tree.resolved(sess.runner.block_size).tree_size,
                          "new_tokens": tokens, "rounds": rounds, "elapsed_s": elapsed,
                          "mean_accepted": gained / rounds if rounds else 0.0,
                          "tokens_per_s": tokens / elapsed if elapsed else 0.0})
-    by = {(r["backend"], r["mode"]): r for r in rows}
+    by = {(r["backend"], r["mode"], r["tree_size"]): r for r in rows}
     for r in rows:
-        r["speedup_vs_ar"] = r["tokens_per_s"] / by[r["backend"], "ar"]["tokens_per_s"]
-        r["ratio_vs_" + backends[0]] = r["tokens_per_s"] / by[backends[0], r["mode"]]["tokens_per_s"]
+        r["speedup_vs_ar"] = r["tokens_per_s"] / by[r["backend"], "ar", 1]["tokens_per_s"]
+        r["ratio_vs_" + backends[0]] = r["tokens_per_s"] / by[backends[0], r["mode"], r["tree_size"]]["tokens_per_s"]
     reference = next(iter(outputs.values()))
     identical = all(o == reference for o in outputs.values())
     import platform
 
     import torch
 
-    return {"rows": rows, "identical_outputs": identical, "prompts": len(prompts), "repeat": repeat,
+    return {"rows": rows, "identical_outputs": identical, "prompts": len(ids), "repeat": repeat,
             "max_new_tokens": max_new_tokens, "machine": platform.machine(), "threads": torch.get_num_threads(),
             "artifacts": artifacts}
 

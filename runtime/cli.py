@@ -33,7 +33,8 @@ class _Streamer:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id.")
+@click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id. "
+              "[default: SmolLM2-135M-Instruct with the demo TreeFlash drafter, offline]")
 @click.option("--drafter", default=None, help="TreeFlash or DFlash drafter: a local folder or a hub id "
               "(not needed with --mode ar).")
 @click.option("--artifacts", "artifacts", default=None, type=click.Path(file_okay=False),
@@ -96,9 +97,9 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         if backend != "torch":
             raise TreeFlashError(f"--backend {backend} runs an artifact folder: pass --artifacts DIR "
                                  f"(build one with treeflash-export build)")
-        if not model:
-            raise TreeFlashError("pass --model (and --drafter), or --artifacts DIR")
-        if (mode or _TREE.mode) != "ar" and not drafter:
+        if not model and drafter:
+            raise TreeFlashError("--drafter needs --model (the verifier it was trained for)")
+        if model and (mode or _TREE.mode) != "ar" and not drafter:
             raise TreeFlashError(f"--drafter is required for --mode {mode or _TREE.mode} "
                                  f"(or use --mode ar for plain decoding)")
     elif model or drafter:
@@ -121,6 +122,10 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
     hf_logging.disable_progress_bar()
     if artifacts is None:
         tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
+        if not model:
+            from .factory import default_pair
+
+            model, drafter = default_pair(log=lambda m: click.echo(m, err=True))
         sess = session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device, dtype)
     else:
         sess = session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend,

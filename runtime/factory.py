@@ -33,6 +33,15 @@ def pick_device(device: str) -> str:
     return device
 
 
+def default_pair(log=None) -> tuple[str, str]:
+    """The out-of-the-box pair: SmolLM2-135M-Instruct and the demo drafter shipped with the package."""
+    from treeflash_export.smollm import DEMO_DRAFTER, default_verifier
+
+    if not (DEMO_DRAFTER / "model.safetensors").is_file():
+        raise TreeFlashError("the demo drafter is missing from this installation: pass --model and --drafter")
+    return str(default_verifier(log=log)), str(DEMO_DRAFTER)
+
+
 def session_from_checkpoints(model: str, drafter: str | None, tree: TreeConfig, capacity: int,
                              backend: str = "torch", device: str = "auto", dtype: str = "auto") -> Session:
     from treeflash_export.checkpoints import eos_token_ids, load_pair, parse_dtype

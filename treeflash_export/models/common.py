@@ -19,13 +19,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention with a boolean mask (True = attend).
 
-    q: [hq, n, d]; k, v: [hkv, s, d]; mask: [n, s] -> [n, hq * d].
+    q: [*, hq, n, d]; k, v: [*, hkv, s, d]; mask: [n, s] -> [*, n, hq * d], with * empty (the
+    runtime's graphs) or one batch dimension (training).
     Every query row must see at least one key (each sees itself in all our uses).
     """
-    groups = q.shape[0] // k.shape[0]
+    groups = q.shape[-3] // k.shape[-3]
     if groups > 1:
-        k = k.repeat_interleave(groups, dim=0)
-        v = v.repeat_interleave(groups, dim=0)
-    # 4-D (batch 1) because that is the form the ONNX exporter translates.
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
-    return out.transpose(0, 1).reshape(q.shape[1], -1)
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    if q.dim() == 3:  # 4-D (batch 1) because that is the form the ONNX exporter translates
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+    return out.transpose(-3, -2).flatten(-2)

@@ -31,21 +31,27 @@ class DrafterAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(D, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(D, eps=cfg.rms_norm_eps)
 
+    def _heads(self, x):
+        """[*, n, heads * D] -> [*, heads, n, D]"""
+        return x.unflatten(-1, (-1, self.head_dim)).transpose(-3, -2)
+
     def _kv(self, x, cos, sin):
-        n = x.shape[0]
-        k = apply_rope(self.k_norm(self.k_proj(x).view(n, -1, self.head_dim)).transpose(0, 1), cos, sin)
-        v = self.v_proj(x).view(n, -1, self.head_dim).transpose(0, 1)
-        return k, v
+        k = apply_rope(self._heads(self.k_norm(self.k_proj(x).unflatten(-1, (-1, self.head_dim))).flatten(-2)),
+                       cos, sin)
+        return k, self._heads(self.v_proj(x))
 
     def forward(self, h, ctx, ctx_rope, blk_rope, prefix, key_mask):
-        """h: [B, H] normed block states; ctx: [c, H] fused new context; prefix: [2, Hkv, *, D] cached
-        context K/V. Returns (output [B, H], the new context K/V [2, Hkv, c, D])."""
-        B = h.shape[0]
+        """h: [*, B, H] normed block states; ctx: [*, c, H] fused new context; prefix: [2, Hkv, P, D]
+        cached context K/V, or None. Returns (output [*, B, H], the new context K/V [2, *, Hkv, c, D])."""
         k_ctx, v_ctx = self._kv(ctx, *ctx_rope)
-        q = apply_rope(self.q_norm(self.q_proj(h).view(B, -1, self.head_dim)).transpose(0, 1), *blk_rope)
+        q = apply_rope(self._heads(self.q_norm(self.q_proj(h).unflatten(-1, (-1, self.head_dim))).flatten(-2)),
+                       *blk_rope)
         k_blk, v_blk = self._kv(h, *blk_rope)
-        k = torch.cat([prefix[0], k_ctx, k_blk], dim=1)
-        v = torch.cat([prefix[1], v_ctx, v_blk], dim=1)
+        keys, values = [k_ctx, k_blk], [v_ctx, v_blk]
+        if prefix is not None:
+            keys.insert(0, prefix[0])
+            values.insert(0, prefix[1])
+        k, v = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
         return self.o_proj(attend(q, k, v, key_mask)), torch.stack([k_ctx, v_ctx])
 
 
@@ -78,27 +84,31 @@ class DrafterBackbone(nn.Module):
                            device=device or w.device, dtype=dtype or w.dtype)
 
     def _rope(self, x, positions):
-        cos, sin = self.rotary_emb(x[None], positions[None])
+        cos, sin = self.rotary_emb(x, positions[None])
         return cos[0], sin[0]
 
     def forward(
         self,
-        ctx_features: torch.Tensor,  # [c, T*H] verifier taps of newly committed tokens
+        ctx_features: torch.Tensor,  # [*, c, T*H] verifier taps of newly committed tokens
         ctx_positions: torch.Tensor,  # [c] their absolute positions
-        block_embeds: torch.Tensor,  # [B, H] verifier embeddings of [root, MASK x (B-1)]
+        block_embeds: torch.Tensor,  # [*, B, H] verifier embeddings of [root, MASK x (B-1)]
         block_positions: torch.Tensor,  # [B] = P .. P+B-1
-        cache: torch.Tensor,  # [L, 2, Hkv, S, D] context K/V of earlier tokens, read only
+        cache: torch.Tensor | None,  # [L, 2, Hkv, S, D] context K/V of earlier tokens (read only), or
+                                     # None when the context starts at 0 (training, with a batch dim *)
         ctx_start,  # int (eager: cache sliced) or 0-d tensor (traced: slots >= ctx_start masked)
         ctx_count=None,  # traced only: 0-d tensor, valid rows of ctx_features (the rest is padding)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns z [B, H] (the residual stream after the last layer, pre-norm) and the new
         context K/V [L, 2, Hkv, c, D], which the caller writes to slots ctx_start..ctx_start+c-1."""
-        c, B = ctx_features.shape[0], block_embeds.shape[0]
+        c, B = ctx_features.shape[-2], block_embeds.shape[-2]
         dev = block_embeds.device
         ctx = self.hidden_norm(self.fc(ctx_features))
         ctx_rope = self._rope(ctx, ctx_positions)
         blk_rope = self._rope(block_embeds, block_positions)
-        if isinstance(ctx_start, int):
+        if cache is None:
+            prefix = [None] * len(self.layers)
+            key_mask = torch.ones(B, c + B, dtype=torch.bool, device=dev)
+        elif isinstance(ctx_start, int):
             prefix = cache[:, :, :, :ctx_start]
             key_mask = torch.ones(B, ctx_start + c + B, dtype=torch.bool, device=dev)
         else:

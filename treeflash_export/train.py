@@ -1,0 +1,383 @@
+"""`treeflash-export train`: a DFlash-style drafter and the TreeFlash head for a given verifier.
+
+Data: the verifier's own greedy continuations of prompts cut from a real offline
+corpus (Python's standard-library sources: code, comments and docstrings),
+generated in batches once and cached together with the tapped hidden states the
+drafter reads. Files are split into training and held-out sets (every tenth file
+is held out), so held-out prompts never come from a training file.
+
+Loss: per random anchor a, the block [x_a, MASK x (B-1)] must predict
+x_{a+1..a+B-1}: cross-entropy of the marginal logits plus cross-entropy of the
+head's conditional logits given the true previous token, with position-decay
+weights exp(-(k-1)/gamma). Backbone and head train jointly; the head's down
+projection starts at zero (an untrained head is the marginal drafter).
+Checkpoints are atomic and carry optimiser and RNG state, so a resumed run
+continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .config import DrafterConfig, default_target_layer_ids
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    block_size: int = 8
+    draft_layers: int = 1
+    intermediate_size: int | None = None  # None = the verifier's (lets layers start from the verifier's)
+    num_taps: int = 3  # tapped verifier layers (target_layer_ids spread over the verifier)
+    train_prompts: int = 384
+    heldout_prompts: int = 48
+    prompt_tokens: int = 48
+    continuation_tokens: int = 64
+    gen_batch: int = 64
+    steps: int = 2000
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup: int = 100
+    decay_gamma: float = 4.0
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.block_size < 2:
+            raise ConfigError("--block-size must be >= 2")
+        if self.continuation_tokens < self.block_size + 1:
+            raise ConfigError("--continuation-tokens must exceed the block size")
+        for name in ("steps", "batch_size", "train_prompts", "heldout_prompts", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+
+    def data_key(self, verifier: str) -> str:
+        fields = (verifier, self.num_taps, self.train_prompts, self.heldout_prompts, self.prompt_tokens,
+                  self.continuation_tokens, self.seed)
+        return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- data
+
+
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of the standard library, every tenth file held out."""
+    import json as _json
+
+    root = Path(_json.__file__).resolve().parent.parent
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts
+                   and p.stat().st_size > 2000)
+    return [f for i, f in enumerate(files) if i % 10], [f for i, f in enumerate(files) if i % 10 == 0]
+
+
+def sample_prompts(files: list[Path], tokenizer, count: int, length: int, rng: random.Random) -> list[list[int]]:
+    """Windows of `length` tokens starting at a line start of a random file."""
+    prompts: list[list[int]] = []
+    tries = 0
+    while len(prompts) < count and tries < count * 20:
+        tries += 1
+        text = rng.choice(files).read_text(encoding="utf-8", errors="ignore")
+        starts = [i + 1 for i, ch in enumerate(text) if ch == "\n"]
+        if not starts:
+            continue
+        start = rng.choice(starts)
+        ids = tokenizer(text[start : start + 40 * length], add_special_tokens=False)["input_ids"]
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+    if len(prompts) < count:
+        raise ConfigError(f"could only cut {len(prompts)} prompts of {length} tokens from the corpus")
+    return prompts
+
+
+@torch.no_grad()
+def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_tokens: int, batch: int,
+                  progress: Callable | None = None) -> dict[str, torch.Tensor]:
+    """Greedy continuations (no EOS stop) and the tapped hidden states of every position."""
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
+    tokens, feats = [], []
+    for i in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[i : i + batch])
+        seq = verifier.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
+        out = verifier(seq, output_hidden_states=True)
+        tokens.append(seq.to(torch.int32))
+        feats.append(torch.cat([out.hidden_states[t + 1] for t in tap_ids], dim=-1).to(torch.float16))
+        if progress:
+            progress(min(i + batch, len(prompts)), len(prompts))
+    return {"tokens": torch.cat(tokens), "features": torch.cat(feats)}
+
+
+# ---------------------------------------------------------------- model and loss
+
+
+def make_drafter_config(verifier_cfg, cfg: TrainConfig, mask_token_id: int, tap_ids: list[int]):
+    from transformers import Qwen3Config
+
+    heads = int(verifier_cfg.num_attention_heads)
+    kv_heads = int(getattr(verifier_cfg, "num_key_value_heads", None) or heads)
+    return Qwen3Config(
+        vocab_size=verifier_cfg.vocab_size, hidden_size=verifier_cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size or int(verifier_cfg.intermediate_size),
+        num_hidden_layers=cfg.draft_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=int(getattr(verifier_cfg, "head_dim", None) or verifier_cfg.hidden_size // heads),
+        rms_norm_eps=float(verifier_cfg.rms_norm_eps), max_position_embeddings=verifier_cfg.max_position_embeddings,
+        rope_parameters=dict(getattr(verifier_cfg, "rope_parameters", None) or {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}),
+        architectures=["TreeFlashDraftModel"], block_size=cfg.block_size,
+        num_target_layers=int(verifier_cfg.num_hidden_layers),
+        dflash_config={"target_layer_ids": tap_ids, "mask_token_id": mask_token_id},
+        treeflash_config={"ar_approximation": "swiglu", "candidate_tokens": 16},
+    )
+
+
+def init_drafter(hf_cfg, seed: int, verifier=None):
+    """Random init; with a verifier, the final norm is the verifier's (its LM head expects that
+    scale) and each draft layer starts as a copy of one of the verifier's last layers where the
+    shapes agree."""
+    from .models import TreeFlashDrafter
+
+    torch.manual_seed(seed)
+    model = TreeFlashDrafter(DrafterConfig.from_hf(hf_cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name == "ar_approximation.d.weight":
+                p.zero_()  # an untrained head reproduces the marginal drafter
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+        if verifier is not None:
+            model.model.norm.weight.copy_(verifier.model.norm.weight)
+            src_layers = verifier.model.layers[-len(model.model.layers):]
+            for dst, src in zip(model.model.layers, src_layers):
+                src_state = src.state_dict()
+                for key, value in dst.state_dict().items():
+                    if key in src_state and src_state[key].shape == value.shape:
+                        value.copy_(src_state[key])
+    return model
+
+
+def block_loss(drafter, embed, lm_head, tokens, feats, anchor: int, block: int, gamma: float, mask_id: int):
+    """Mean weighted CE of marginal and conditional logits for one anchor shared by the batch.
+
+    tokens [b, L] int64, feats [b, L, F]; the context is positions 0..anchor-1, the block root is
+    x[anchor] at position anchor, the targets x[anchor+1 .. anchor+B-1]."""
+    b = tokens.shape[0]
+    dev = tokens.device
+    root = tokens[:, anchor]
+    block_ids = torch.full((b, block), mask_id, dtype=torch.long, device=dev)
+    block_ids[:, 0] = root
+    z, _ = drafter.model(feats[:, :anchor], torch.arange(anchor, device=dev), embed(block_ids),
+                         torch.arange(anchor, anchor + block, device=dev), None, 0)
+    targets = tokens[:, anchor + 1 : anchor + block]  # [b, B-1]
+    norm = drafter.model.norm
+    h = norm(z[:, 1:])
+    w = torch.exp(-torch.arange(block - 1, dtype=torch.float32, device=dev) / gamma)
+    w = (w / w.sum())[None, :]
+    marg = lm_head(h).float()
+    parents = embed(tokens[:, anchor : anchor + block - 1])  # the true previous token of each position
+    cond = lm_head(norm(z[:, 1:] + drafter.ar_approximation(parents, h))).float()
+
+    def wce(logits):
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(b, -1)
+        return (ce * w).sum(-1).mean()
+
+    with torch.no_grad():
+        acc = {"marginal": (marg.argmax(-1) == targets).float().mean(0), "conditional": (cond.argmax(-1) == targets).float().mean(0)}
+    return wce(marg), wce(cond), acc
+
+
+# ---------------------------------------------------------------- training loop
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> dict:
+    """Held-out loss and per-position top-1 accuracy over fixed anchors."""
+    tokens, feats = data["tokens"].long(), data["features"].float()
+    first = cfg.prompt_tokens
+    last = tokens.shape[1] - cfg.block_size
+    anchors = list(range(first, last + 1, max(1, (last - first) // 4)))
+    totals = {"marginal_loss": 0.0, "conditional_loss": 0.0}
+    acc_m = acc_c = 0
+    drafter.eval()
+    with torch.no_grad():
+        for a in anchors:
+            lm, lc, acc = block_loss(drafter, embed, lm_head, tokens, feats, a, cfg.block_size, cfg.decay_gamma, mask_id)
+            totals["marginal_loss"] += float(lm) / len(anchors)
+            totals["conditional_loss"] += float(lc) / len(anchors)
+            acc_m = acc_m + acc["marginal"] / len(anchors)
+            acc_c = acc_c + acc["conditional"] / len(anchors)
+    drafter.train()
+    return {**totals, "marginal_acc": [round(float(x), 4) for x in acc_m],
+            "conditional_acc": [round(float(x), 4) for x in acc_c]}
+
+
+def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = False, work: Path | None = None,
+          log: Callable[[str], None] = print, verifier_name: str | None = None) -> Path:
+    """Train and write the drafter to `out` in the released TreeFlash layout."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from .checkpoints import load_tokenizer, load_verifier, resolve_checkpoint
+
+    cfg.validate()
+    out = Path(out)
+    work = Path(work) if work else out.with_name(out.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work / "last.pt"
+    if ckpt_path.exists() and not resume:
+        raise ConfigError(f"{ckpt_path} exists from an earlier run: pass --resume to continue it, "
+                          f"or remove {work}")
+    vpath = resolve_checkpoint(verifier_path, "verifier")
+    verifier = load_verifier(vpath, dtype=torch.float32, device="cpu")
+    tok = load_tokenizer(vpath)
+    vcfg = verifier.config
+    tap_ids = default_target_layer_ids(int(vcfg.num_hidden_layers), cfg.num_taps)
+    mask_id = int(vcfg.vocab_size) - 1 if tok.pad_token_id is None else int(tok.pad_token_id)
+
+    # Data, generated once and cached next to the checkpoints.
+    data_path = work / f"data-{cfg.data_key(str(vpath))}.pt"
+    if data_path.exists():
+        data = torch.load(data_path)
+        log(f"using cached data {data_path.name}")
+    else:
+        rng = random.Random(cfg.seed)
+        train_files, held_files = corpus_files()
+        data = {}
+        for split, files, count in (("train", train_files, cfg.train_prompts),
+                                    ("heldout", held_files, cfg.heldout_prompts)):
+            prompts = sample_prompts(files, tok, count, cfg.prompt_tokens, rng)
+            bar = tqdm(total=count, desc=f"verifier continuations ({split})", unit="prompt", leave=False)
+            data[split] = generate_data(verifier, prompts, tap_ids, cfg.continuation_tokens, cfg.gen_batch,
+                                        progress=lambda done, total, bar=bar: bar.update(done - bar.n))
+            bar.close()
+        _atomic_save(data, data_path)
+        log(f"generated {sum(d['tokens'].numel() for d in data.values())} tokens of data -> {data_path.name}")
+
+    hf_cfg = make_drafter_config(vcfg, cfg, mask_id, tap_ids)
+    drafter = init_drafter(hf_cfg, cfg.seed, verifier).train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+
+    def lr_at(step):
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))))
+
+    step, history = 0, []
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        if state["config"] != dataclasses.asdict(cfg):
+            raise ConfigError(f"{ckpt_path} was made with other settings; use the same options or remove {work}")
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, history = state["step"], state["history"]
+        _set_rng_state(state["rng"])
+        log(f"resumed at step {step}")
+
+    embed, lm_head = verifier.model.embed_tokens, verifier.lm_head
+    tokens = data["train"]["tokens"].long()
+    feats = data["train"]["features"]
+    n_seq, L = tokens.shape
+    bar = tqdm(total=cfg.steps, initial=step, desc="training", unit="step")
+    while step < cfg.steps:
+        anchor = random.randint(cfg.prompt_tokens, L - cfg.block_size)
+        rows = torch.randint(0, n_seq, (cfg.batch_size,))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        lm, lc, _ = block_loss(drafter, embed, lm_head, tokens[rows], feats[rows].float(), anchor, cfg.block_size,
+                               cfg.decay_gamma, mask_id)
+        loss = lm + lc
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            ev = evaluate(drafter, embed, lm_head, data["heldout"], cfg, mask_id)
+            history.append({"step": step, "train_loss": loss.item(), **ev})
+            log(f"step {step}: held-out marginal {ev['marginal_loss']:.3f}, conditional {ev['conditional_loss']:.3f}")
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            _atomic_save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                          "history": history, "rng": _rng_state(), "config": dataclasses.asdict(cfg)}, ckpt_path)
+    bar.close()
+
+    # The drafter, in the released TreeFlash layout, written atomically (fp16 weights).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        hf_cfg.torch_dtype = "float16"
+        hf_cfg.save_pretrained(tmp)
+        save_file({k: v.to(torch.float16).contiguous() for k, v in drafter.state_dict().items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "training.json").write_text(json.dumps(
+            {"config": dataclasses.asdict(cfg), "verifier": verifier_name or str(verifier_path), "history": history,
+             "data": {"corpus": "Python standard library sources (every tenth file held out)",
+                      "train_tokens": int(data["train"]["tokens"].numel()),
+                      "heldout_tokens": int(data["heldout"]["tokens"].numel())}}, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def plot_history(training_json: Path, png: Path) -> None:
+    """The held-out loss curves as an image (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hist = json.loads(Path(training_json).read_text())["history"]
+    steps = [h["step"] for h in hist]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    ax.plot(steps, [h["train_loss"] / 2 for h in hist], label="train (mean of the two losses)", alpha=0.5)
+    ax.plot(steps, [h["marginal_loss"] for h in hist], label="held-out, marginal")
+    ax.plot(steps, [h["conditional_loss"] for h in hist], label="held-out, TreeFlash head")
+    ax.set_xlabel("step")
+    ax.set_ylabel("position-weighted cross-entropy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
