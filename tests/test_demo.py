@@ -10,7 +10,6 @@ import json
 import random
 
 import pytest
-import torch
 from click.testing import CliRunner
 from conftest import hf_greedy
 

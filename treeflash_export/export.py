@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,8 @@ from .artifact import FORMAT, FORMAT_VERSION, MANIFEST, file_table
 from .config import TreeConfig
 from .engines import ENGINE_SUFFIX, build_engine, trt_version
 from .errors import ConfigError, TreeFlashError
-from .graphs import DTYPE_NAMES, DraftGraph, ExpandGraph, GraphSpec, Shapes, VerifyGraph, graph_specs
+from .fsutil import atomic_folder
+from .graphs import DraftGraph, ExpandGraph, GraphSpec, Shapes, VerifyGraph, graph_specs
 from .models import TreeVerifier
 
 TARGETS = ("onnx", "tensorrt", "tensorrt-rtx")
@@ -226,10 +225,7 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
     sh = _shapes(verifier, pair.drafter_cfg, tree, cfg)
     specs = graph_specs(sh, cfg.dtype)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with atomic_folder(out) as tmp:
         (tmp / "onnx").mkdir()
         graphs = {}
         for i, name in enumerate(GRAPHS):
@@ -291,10 +287,6 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
             "files": file_table(tmp),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"artifact written to {out} ({time.perf_counter() - t0:.1f}s)")
     return out
 
@@ -304,14 +296,3 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished folder into place; an existing one is swapped out, then removed."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)

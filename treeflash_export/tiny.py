@@ -10,11 +10,11 @@ drafts; the tests add an oracle drafter for that.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from .fsutil import atomic_folder
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -129,9 +129,7 @@ def write_tiny_pair(out: str | os.PathLike, *, family: str = "qwen3", seed: int 
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         tok = build_tokenizer(vocab_size)
         eos = tok.convert_tokens_to_ids("<|endoftext|>")
         vcfg = verifier_config(family, len(tok), hidden=hidden, layers=layers, eos=eos)
@@ -153,8 +151,4 @@ def write_tiny_pair(out: str | os.PathLike, *, family: str = "qwen3", seed: int 
         (tmp / "drafter").mkdir()
         dcfg.save_pretrained(tmp / "drafter")
         save_file(state, str(tmp / "drafter" / "model.safetensors"), metadata={"format": "pt"})
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

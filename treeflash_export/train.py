@@ -23,9 +23,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,6 +32,7 @@ import torch.nn.functional as F
 
 from .config import DrafterConfig, default_target_layer_ids
 from .errors import ConfigError
+from .fsutil import atomic_folder
 
 
 @dataclass(frozen=True)
@@ -339,10 +337,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     bar.close()
 
     # The drafter, in the released TreeFlash layout, written atomically (fp16 weights).
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with atomic_folder(out) as tmp:
         hf_cfg.torch_dtype = "float16"
         hf_cfg.save_pretrained(tmp)
         save_file({k: v.to(torch.float16).contiguous() for k, v in drafter.state_dict().items()},
@@ -352,12 +347,6 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
              "data": {"corpus": "Python standard library sources (every tenth file held out)",
                       "train_tokens": int(data["train"]["tokens"].numel()),
                       "heldout_tokens": int(data["heldout"]["tokens"].numel())}}, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -1,0 +1,32 @@
+"""Writing whole folders atomically: nothing half-written is ever left where a result is expected."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_folder(out: Path):
+    """Yields a hidden temporary sibling of `out` to fill. When the block succeeds it is renamed to
+    `out` (an existing `out` is swapped out first and removed after); when it fails in any way,
+    including Ctrl-C, the temporary folder is removed and `out` is left as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
