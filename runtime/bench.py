@@ -30,13 +30,25 @@ def _split(text: str) -> list[str]:
 
 
 def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device):
+    """One loaded runner per backend: every tree setting (and plain decoding) runs on it."""
     from .factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
 
     if artifacts:
-        requested = {"mode": mode} if mode == "ar" else {}
-        return session_from_artifacts(artifacts, requested, backend=backend, device=device)
+        return session_from_artifacts(artifacts, {}, backend=backend, device=device)
     tree = TreeConfig(mode=mode, **tree_kw)
-    return session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device)
+    return session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device,
+                                    log=lambda m: click.echo(m, err=True))
+
+
+def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
+    if mode == "ar":
+        return TreeConfig(mode="ar")
+    if artifacts:  # the graphs fix the tree
+        if mode != sess.tree.mode:
+            raise TreeFlashError(f"the artifact was built for mode {sess.tree.mode!r}; benchmarking "
+                                 f"{mode!r} needs an artifact built with --mode {mode}")
+        return sess.tree
+    return TreeConfig(mode=mode, **(dict(tree_kw, tree_size=size) if size else tree_kw))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -67,10 +79,6 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
     demo drafter).
     """
     try:
-        if not artifacts and not model:
-            from .factory import default_pair
-
-            model, drafter = default_pair(log=lambda m: click.echo(m, err=True))
         source = ("heldout", heldout_prompts, prompt_tokens) if heldout_prompts else list(prompts) or list(DEFAULT_PROMPTS)
         report = run_bench(artifacts, model, drafter, _split(backends), modes,
                            [int(n) for n in _split(tree_sizes)], dict(top_m=top_m, top_k=top_k), source,
@@ -120,26 +128,26 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
     configs = [(m, None) for m in mode_list if m == "chain"] + configs + [("ar", None)]
     ids = None
     for backend in backends:
+        sess = _session(artifacts, model, drafter, backend, mode_list[0], tree_kw, max_seq_len, device)
+        if ids is None:
+            ids = _prompt_ids(prompts, sess.tokenizer)
         for mode, size in configs:
-            kw = dict(tree_kw, tree_size=size) if size else dict(tree_kw)
-            sess = _session(artifacts, model, drafter, backend, mode, kw, max_seq_len, device)
-            if ids is None:
-                ids = _prompt_ids(prompts, sess.tokenizer)
-            generate(sess.runner, ids[0], sess.tree, sampling)  # warm-up
+            tree = _tree_for(sess, artifacts, mode, size, tree_kw)
+            generate(sess.runner, ids[0], tree, sampling)  # warm-up
             tokens = rounds = gained = 0
             elapsed = 0.0
             outs = []
             for _ in range(repeat):
                 for p in ids:
                     t0 = time.perf_counter()
-                    res = generate(sess.runner, p, sess.tree, sampling)
+                    res = generate(sess.runner, p, tree, sampling)
                     elapsed += time.perf_counter() - t0
                     tokens += res.stats.new_tokens
                     rounds += res.stats.rounds
                     gained += sum(res.stats.accept_lengths)
                     outs.append(res.token_ids)
             outputs[backend, mode, size] = outs
-            rows.append({"backend": backend, "mode": mode, "tree_size": sess.tree.resolved(sess.runner.block_size).tree_size,
+            rows.append({"backend": backend, "mode": mode, "tree_size": tree.resolved(sess.runner.block_size).tree_size,
                          "new_tokens": tokens, "rounds": rounds, "elapsed_s": elapsed,
                          "mean_accepted": gained / rounds if rounds else 0.0,
                          "tokens_per_s": tokens / elapsed if elapsed else 0.0})

@@ -94,9 +94,6 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
                      drafter_temperature=drafter_temperature)
     SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed).validate()
     if artifacts is None:
-        if backend != "torch":
-            raise TreeFlashError(f"--backend {backend} runs an artifact folder: pass --artifacts DIR "
-                                 f"(build one with treeflash-export build)")
         if not model and drafter:
             raise TreeFlashError("--drafter needs --model (the verifier it was trained for)")
         if model and (mode or _TREE.mode) != "ar" and not drafter:
@@ -122,11 +119,8 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
     hf_logging.disable_progress_bar()
     if artifacts is None:
         tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
-        if not model:
-            from .factory import default_pair
-
-            model, drafter = default_pair(log=lambda m: click.echo(m, err=True))
-        sess = session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device, dtype)
+        sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
+                                        device, dtype, log=lambda m: click.echo(m, err=True))
     else:
         sess = session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend,
                                       device=device, dtype=dtype, verify_checksums=verify_checksums)

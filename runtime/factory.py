@@ -42,8 +42,10 @@ def default_pair(log=None) -> tuple[str, str]:
     return str(default_verifier(log=log)), str(DEMO_DRAFTER)
 
 
-def session_from_checkpoints(model: str, drafter: str | None, tree: TreeConfig, capacity: int,
-                             backend: str = "torch", device: str = "auto", dtype: str = "auto") -> Session:
+def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeConfig, capacity: int,
+                             backend: str = "torch", device: str = "auto", dtype: str = "auto",
+                             log=None) -> Session:
+    """model None: the default pair (converted on first use, progress through ``log``)."""
     from treeflash_export.checkpoints import eos_token_ids, load_pair, parse_dtype
 
     from .backends import get_runner_class
@@ -51,6 +53,8 @@ def session_from_checkpoints(model: str, drafter: str | None, tree: TreeConfig, 
     if backend != "torch":
         raise TreeFlashError(f"--backend {backend} runs an artifact folder: pass --artifacts DIR "
                              f"(build one with treeflash-export build)")
+    if model is None:
+        model, drafter = default_pair(log=log)
     dev = pick_device(device)
     torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
 

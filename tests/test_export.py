@@ -247,3 +247,20 @@ def test_tensorrt_engines_greedy_equals_verifier(load, pair_dirs, tmp_path):
     ids = pair.tokenizer(PROMPTS[0])["input_ids"]
     res = generate(TensorRTRunner(art), ids, art.tree, SamplingConfig(max_new_tokens=NEW))
     assert res.token_ids == hf_greedy(pair.verifier, ids, NEW)
+
+
+def test_bench_on_artifact_compares_backends_and_refuses_other_modes(artifacts):
+    from treeflash_runtime.bench import main as bench_main
+
+    art = artifacts("qwen3", "treeflash")
+    args = ["--artifacts", str(art.root), "--backends", "torch,onnxruntime", "--max-new-tokens", "8",
+            "--prompt", "def f(x):", "--json"]
+    r = CliRunner().invoke(bench_main, args)
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert {(row["backend"], row["mode"]) for row in report["rows"]} == {
+        ("torch", "treeflash"), ("torch", "ar"), ("onnxruntime", "treeflash"), ("onnxruntime", "ar")}
+    assert report["identical_outputs"] is True
+    assert all(row["tree_size"] == (1 if row["mode"] == "ar" else TREE["tree_size"]) for row in report["rows"])
+    r = CliRunner().invoke(bench_main, args[:-1] + ["--modes", "marginal"])
+    assert r.exit_code == 2 and "built for mode 'treeflash'" in r.stderr

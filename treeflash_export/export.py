@@ -152,7 +152,7 @@ def onnx_weight_bytes(path: Path) -> int:
         n = 1
         for d in init.dims:
             n *= d
-        total += n * helper.tensor_dtype_to_np_dtype(init.data_type).itemsize if init.data_type != 16 else n * 2
+        total += n * helper.tensor_dtype_to_np_dtype(init.data_type).itemsize  # bfloat16 included
     return total
 
 

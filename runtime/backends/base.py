@@ -59,9 +59,15 @@ class Runner(ABC):
         """One verifier pass over the tree -> (logits [N, V], features [N, F]); writes KV slots
         past_len..past_len+N-1."""
 
-    @abstractmethod
+    kv: torch.Tensor  # the verifier cache [L, 2, Hkv, S, D], allocated by reset()
+
     def commit(self, past_len: int, path: torch.Tensor) -> None:
-        """Move the KV of the accepted nodes ``path`` (tree indices, in order) to slots past_len.."""
+        """Move the KV of the accepted nodes ``path`` (tree indices, in order) to slots past_len..
+
+        No RoPE fix-up is needed: an accepted node at depth d already sits at position P + d."""
+        tau = path.shape[0]
+        # Gather first (a copy), then write: source and destination slots may overlap.
+        self.kv[:, :, :, past_len : past_len + tau] = self.kv[:, :, :, past_len + path]
 
 
 def available_backends() -> list[str]:

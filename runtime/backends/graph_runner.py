@@ -71,10 +71,6 @@ class GraphRunner(Runner):
     def verify(self, tree: Tree, past_len: int):
         return self._verify(tree, past_len)
 
-    def commit(self, past_len: int, path: torch.Tensor) -> None:
-        tau = path.shape[0]
-        self.kv[:, :, :, past_len : past_len + tau] = self.kv[:, :, :, past_len + path]
-
     def propose(self, root: int, ctx_features, ctx_start: int, past_len: int, tree: TreeConfig) -> Tree:
         if (tree.mode, tree.tree_size, tree.top_m, tree.top_k) != (
                 self.built_tree.mode, self.built_tree.tree_size, self.built_tree.top_m, self.built_tree.top_k):

@@ -28,7 +28,6 @@ class TorchRunner(Runner):
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else -1
         self.has_head = drafter is not None and drafter.ar_approximation is not None
         self.capacity = int(capacity)
-        self.max_positions = int(getattr(verifier_hf.config, "max_position_embeddings", 1 << 30))
         if self.capacity < 2:
             raise ConfigError(f"--max-seq-len {capacity} is too small")
         self.kv = None
@@ -49,12 +48,6 @@ class TorchRunner(Runner):
         logits, feats, new_kv = self.verifier(tree.tokens, past_len + tree.depths, tree.mask, self.kv, past_len)
         self.kv[:, :, :, past_len : past_len + tree.size] = new_kv
         return logits, feats
-
-    @torch.inference_mode()
-    def commit(self, past_len: int, path: torch.Tensor) -> None:
-        tau = path.shape[0]
-        # Gather first (a copy), then write: source and destination slots may overlap.
-        self.kv[:, :, :, past_len : past_len + tau] = self.kv[:, :, :, past_len + path]
 
     def draft_block(self, root: int, ctx_features, ctx_start: int, past_len: int) -> torch.Tensor:
         """Stage 1: the drafter backbone over [root, MASK x (B-1)] -> z [B, H] (pre-norm)."""
