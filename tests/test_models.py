@@ -156,9 +156,14 @@ def test_drafter_matches_reference_implementation(load):
     emb_w, lm_w = pair.verifier.model.embed_tokens.weight, pair.verifier.lm_head.weight
     with torch.no_grad():
         logits = pair.verifier.lm_head(d.model.norm(z))
-        tables = treeflash_tables(z, logits, emb_w[5], head=d.ar_approximation, norm=d.model.norm,
-                                  embed_tokens=pair.verifier.model.embed_tokens, lm_head=pair.verifier.lm_head,
-                                  top_m=3, top_k=4, temperature=1.0)
+        tables, fused_tables = (
+            treeflash_tables(z, logits, torch.tensor([5]), head=d.ar_approximation, norm=d.model.norm,
+                             embed_tokens=pair.verifier.model.embed_tokens, lm_head=pair.verifier.lm_head,
+                             top_m=3, top_k=4, temperature=1.0, fused=fused)
+            for fused in (False, True))
+    # The custom op (the plugin graphs' node; the PyTorch reference on CPU) gives the same tables.
+    assert torch.equal(fused_tables.tokens, tables.tokens) and torch.equal(fused_tables.next_row, tables.next_row)
+    assert (fused_tables.logprobs - tables.logprobs).abs().max() < 1e-5
     cands = logits[:-1].topk(3, -1).indices
     for pos in range(1, B):
         for m in range(3):
@@ -181,7 +186,7 @@ def test_untrained_head_reproduces_marginal_drafter(load):
     head = type(d.ar_approximation)(pair.drafter_cfg.hidden_size, pair.drafter_cfg.intermediate_size)
     with torch.no_grad():
         logits = pair.verifier.lm_head(d.model.norm(z))
-        tf = treeflash_tables(z, logits, torch.zeros(z.shape[1]), head=head, norm=d.model.norm,
+        tf = treeflash_tables(z, logits, torch.tensor([0]), head=head, norm=d.model.norm,
                               embed_tokens=pair.verifier.model.embed_tokens, lm_head=pair.verifier.lm_head,
                               top_m=2, top_k=3, temperature=1.0)
         mg = marginal_tables(logits, 3, 1.0)

@@ -46,7 +46,8 @@ def main():
 @click.option("--target", type=click.Choice(TARGETS), default=_B.target,
               help="onnx only, or also build TensorRT / TensorRT-RTX engines.")
 @click.option("--variant", type=click.Choice(VARIANTS), default=_B.variant,
-              help="reference = standard ONNX ops only.")
+              help="reference = standard ONNX ops only; plugin = the TreeFlash head as one treeflash.MlpExpand "
+                   "node (Triton-kernel TensorRT plugins; ONNX Runtime runs its function body).")
 @click.option("--opset", type=int, default=_B.opset, help="ONNX opset.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (swapped in only when the build succeeds).")
 @click.option("--no-validate", is_flag=True, help="Skip the ONNX Runtime vs eager parity check.")

@@ -47,16 +47,23 @@ def _profile_shapes(spec: GraphSpec, name: str) -> tuple[tuple, tuple, tuple] | 
 
 
 def build_engine(onnx_path: Path, spec: GraphSpec, plan_path: Path, *, flavor: str,
-                 timing_cache: Path | None = None, plugin_libraries: tuple[Path, ...] = (),
+                 timing_cache: Path | None = None, plugins: bool = False,
                  workspace_bytes: int = 4 << 30) -> int:
-    """Parse the ONNX file, build and serialise one engine; returns the plan size in bytes."""
+    """Parse the ONNX file, build and serialise one engine; returns the plan size in bytes.
+    plugins: the graph has TreeFlash plugin nodes (TensorRT only): register them first."""
     trt = import_trt(flavor)
     logger = trt.Logger(trt.Logger.WARNING)
     if flavor == "tensorrt":
         trt.init_libnvinfer_plugins(logger, "")
-        registry = trt.get_plugin_registry()
-        for lib in plugin_libraries:  # plugins must be registered before the parser sees their nodes
-            registry.load_library(str(lib))
+    if plugins:  # plugins must be registered before the parser sees their nodes
+        if flavor != "tensorrt":
+            raise TreeFlashError(f"{flavor} has no plugin API: build --variant reference")
+        from treeflash_plugins import load_plugins
+
+        try:
+            load_plugins()
+        except ImportError as e:
+            raise TreeFlashError(str(e)) from None
     builder = trt.Builder(logger)
     flags = 0
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)

@@ -28,7 +28,7 @@ from .graphs import DraftGraph, ExpandGraph, GraphSpec, Shapes, VerifyGraph, gra
 from .models import TreeVerifier
 
 TARGETS = ("onnx", "tensorrt", "tensorrt-rtx")
-VARIANTS = ("reference",)
+VARIANTS = ("reference", "plugin")  # plugin: the TreeFlash head as one treeflash.MlpExpand node
 GRAPHS = ("verify", "draft", "expand")
 # Max |ONNX Runtime - eager| accepted per output dtype of the fp32 build (seen: about 1e-6).
 TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2e-1}
@@ -59,7 +59,12 @@ class BuildConfig:
         if self.target not in TARGETS:
             raise ConfigError(f"unknown --target {self.target!r}; choose one of {', '.join(TARGETS)}")
         if self.variant not in VARIANTS:
-            raise ConfigError(f"--variant {self.variant!r} is not available in this version; use reference")
+            raise ConfigError(f"unknown --variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+        if self.variant == "plugin" and self.mode != "treeflash":
+            raise ConfigError(f"--variant plugin replaces the TreeFlash head, which --mode {self.mode} does not "
+                              f"use: build --variant reference")
+        if self.variant == "plugin" and self.target == "tensorrt-rtx":
+            raise ConfigError("TensorRT-RTX has no plugin API: build --variant reference for --target tensorrt-rtx")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"unknown --dtype {self.dtype!r}")
         if self.prefill_chunk < 1:
@@ -109,17 +114,21 @@ def example_inputs(name: str, sh: Shapes, dtype: torch.dtype, seed: int, n: int 
     raise KeyError(name)
 
 
-def graph_modules(pair, tree: TreeConfig):
+def graph_modules(pair, tree: TreeConfig, variant: str = "reference"):
     verifier = TreeVerifier(pair.verifier, pair.drafter_cfg.target_layer_ids)
     d, cfg = pair.drafter, pair.drafter_cfg
     return verifier, {
         "verify": VerifyGraph(verifier).eval(),
         "draft": DraftGraph(d.model, verifier.embed_tokens, cfg.block_size, cfg.mask_token_id).eval(),
-        "expand": ExpandGraph(d.model.norm, verifier.lm_head, verifier.embed_tokens, d.ar_approximation, tree).eval(),
+        "expand": ExpandGraph(d.model.norm, verifier.lm_head, verifier.embed_tokens, d.ar_approximation, tree,
+                              fused=variant == "plugin").eval(),
     }
 
 
-def export_onnx(module, spec: GraphSpec, inputs, path: Path, opset: int) -> None:
+def export_onnx(module, spec: GraphSpec, inputs, path: Path, opset: int, custom_ops: bool = False) -> None:
+    """custom_ops: translate TreeFlash's custom op into its treeflash.MlpExpand node."""
+    from treeflash_plugins.onnx_ops import translation_table
+
     import logging
     import warnings
 
@@ -137,6 +146,7 @@ def export_onnx(module, spec: GraphSpec, inputs, path: Path, opset: int) -> None
             module, inputs, dynamo=True, opset_version=opset, verbose=False,
             input_names=[s.name for s in spec.inputs], output_names=[s.name for s in spec.outputs],
             dynamic_shapes=dynamic if dims else None,
+            custom_translation_table=translation_table() if custom_ops else None,
         )
     big = sum(p.numel() * p.element_size() for p in module.parameters()) > (1 << 30)
     program.save(str(path), external_data=big)
@@ -159,9 +169,9 @@ def onnx_weight_bytes(path: Path) -> int:
 def parity(module, spec: GraphSpec, path: Path, inputs_list, dtype: str) -> dict:
     """Max |ONNX Runtime - eager| per output over several inputs."""
     import numpy as np
-    import onnxruntime as ort
+    from treeflash_plugins.onnx_ops import ort_session
 
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    sess = ort_session(path)
     worst = {s.name: 0.0 for s in spec.outputs}
     for inputs in inputs_list:
         with torch.no_grad():
@@ -221,7 +231,7 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
 
     pair = load_pair(model, drafter, dtype=dtype, device="cpu", check=check)
     tree = tree.resolved(pair.drafter_cfg.block_size)
-    verifier, modules = graph_modules(pair, tree)
+    verifier, modules = graph_modules(pair, tree, cfg.variant)
     sh = _shapes(verifier, pair.drafter_cfg, tree, cfg)
     specs = graph_specs(sh, cfg.dtype)
 
@@ -231,7 +241,8 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
         for i, name in enumerate(GRAPHS):
             step(2, f"exporting {name} graph to ONNX ({i + 1}/{len(GRAPHS)})")
             path = tmp / "onnx" / f"{name}.onnx"
-            export_onnx(modules[name], specs[name], example_inputs(name, sh, dtype, seed=0), path, cfg.opset)
+            export_onnx(modules[name], specs[name], example_inputs(name, sh, dtype, seed=0), path, cfg.opset,
+                        custom_ops=cfg.variant == "plugin")
             graphs[name] = {"spec": specs[name].to_dict(), "onnx": f"onnx/{name}.onnx",
                             "weight_bytes": onnx_weight_bytes(path)}
         report = {}
@@ -261,13 +272,24 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
         else:
             step(3, "skipping the ONNX Runtime check (--no-validate)")
         if cfg.target != "onnx":
+            import onnx
+            from treeflash_plugins.onnx_ops import split_for_tensorrt, uses_custom_ops
+
             (tmp / "engines").mkdir()
             cache = tmp / "engines" / "timing.cache" if cfg.target == "tensorrt" else None
             for name in GRAPHS:
                 step(4, f"building {cfg.target} engine for {name}")
                 plan = tmp / "engines" / f"{name}{ENGINE_SUFFIX[cfg.target]}"
-                size = build_engine(tmp / "onnx" / f"{name}.onnx", specs[name], plan, flavor=cfg.target,
-                                    timing_cache=cache)
+                source = tmp / "onnx" / f"{name}.onnx"
+                plugins = cfg.variant == "plugin" and uses_custom_ops(onnx.load(str(source), load_external_data=False))
+                if plugins:  # one plugin node per kernel (TensorRT's ahead-of-time plugins launch one each)
+                    split = split_for_tensorrt(onnx.load(str(source)))
+                    source = source.with_name(f"{name}.tensorrt.onnx")
+                    big = onnx_weight_bytes(tmp / "onnx" / f"{name}.onnx") > (1 << 30)
+                    onnx.save(split, str(source), save_as_external_data=big, location=f"{source.name}.data")
+                    graphs[name]["onnx_tensorrt"] = source.relative_to(tmp).as_posix()
+                size = build_engine(source, specs[name], plan, flavor=cfg.target, timing_cache=cache,
+                                    plugins=plugins)
                 graphs[name]["engine"] = plan.relative_to(tmp).as_posix()
                 log(f"    {plan.name}: {size / 1e6:.1f} MB")
         step(steps, "writing tokenizer and manifest")

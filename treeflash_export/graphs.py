@@ -171,18 +171,21 @@ class DraftGraph(nn.Module):
 
 
 class ExpandGraph(nn.Module):
-    def __init__(self, norm, lm_head, embed_tokens, head, tree: TreeConfig):
+    """fused: the head as one custom op (the ``plugin`` variant) instead of standard ops (``reference``)."""
+
+    def __init__(self, norm, lm_head, embed_tokens, head, tree: TreeConfig, fused: bool = False):
         super().__init__()
         self.norm, self.lm_head, self.embed_tokens, self.head = norm, lm_head, embed_tokens, head
         self.tree = tree
+        self.fused = fused
 
     def forward(self, z, root):
         t = self.tree
         logits = self.lm_head(self.norm(z))
         if t.mode == "treeflash":
-            tables = treeflash_tables(z, logits, self.embed_tokens(root)[0], head=self.head, norm=self.norm,
+            tables = treeflash_tables(z, logits, root, head=self.head, norm=self.norm,
                                       embed_tokens=self.embed_tokens, lm_head=self.lm_head, top_m=t.top_m,
-                                      top_k=t.top_k, temperature=t.drafter_temperature)
+                                      top_k=t.top_k, temperature=t.drafter_temperature, fused=self.fused)
         else:
             tables = marginal_tables(logits, t.top_k, t.drafter_temperature)
         tree = build_tree(tables, root, t.tree_size)

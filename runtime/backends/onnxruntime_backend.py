@@ -1,4 +1,4 @@
-"""ONNX Runtime backend: the exported reference graphs on the CPU (or CUDA) execution provider."""
+"""ONNX Runtime backend: the exported graphs (reference or plugin variant) on the CPU (or CUDA) execution provider."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ class OnnxRuntimeRunner(GraphRunner):
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if threads:
             opts.intra_op_num_threads = threads
-        providers = providers or ["CPUExecutionProvider"]
-        self.sessions = {g: ort.InferenceSession(str(artifact.path(g, "onnx")), opts, providers=providers)
-                         for g in self.specs}
+        # Plugin graphs (treeflash.MlpExpand nodes) run through the node's function body.
+        from treeflash_plugins.onnx_ops import ort_session
+
+        self.sessions = {g: ort_session(artifact.path(g, "onnx"), opts, providers) for g in self.specs}
 
     def run_graph(self, name, feeds):
         spec = self.specs[name]

@@ -37,6 +37,10 @@ class TensorRTRunner(GraphRunner):
         self.trt = trt
         logger = trt.Logger(trt.Logger.WARNING)
         trt.init_libnvinfer_plugins(logger, "")  # plugins load before any engine is deserialised
+        if artifact.manifest["build"].get("variant") == "plugin":
+            from treeflash_plugins import load_plugins
+
+            load_plugins()
         runtime = trt.Runtime(logger)
         self.engines, self.contexts = {}, {}
         for g in self.specs:

@@ -16,9 +16,12 @@ from .base import Runner
 class TorchRunner(Runner):
     name = "torch"
 
-    def __init__(self, verifier_hf, drafter=None, *, capacity: int):
-        """verifier_hf: a Hugging Face causal LM; drafter: a TreeFlashDrafter or None (plain decoding only)."""
+    def __init__(self, verifier_hf, drafter=None, *, capacity: int, fused: bool = True):
+        """verifier_hf: a Hugging Face causal LM; drafter: a TreeFlashDrafter or None (plain decoding only).
+        fused: the TreeFlash head through torch.ops.treeflash.mlp_expand (the Triton kernels on CUDA,
+        the PyTorch reference elsewhere) rather than the module composition."""
         self.drafter = drafter
+        self.fused = fused
         tap_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
         self.verifier = TreeVerifier(verifier_hf, tap_ids)
         w = self.verifier.lm_head.weight
@@ -66,11 +69,10 @@ class TorchRunner(Runner):
         norm = self.drafter.model.norm
         logits = self.verifier.lm_head(norm(z))
         if tree.mode == "treeflash":
-            root_embed = self.verifier.embed_tokens(torch.tensor([root], device=self.device))[0]
             return treeflash_tables(
-                z, logits, root_embed, head=self.drafter.ar_approximation, norm=norm,
+                z, logits, torch.tensor([root], device=self.device), head=self.drafter.ar_approximation, norm=norm,
                 embed_tokens=self.verifier.embed_tokens, lm_head=self.verifier.lm_head,
-                top_m=tree.top_m, top_k=tree.top_k, temperature=tree.drafter_temperature,
+                top_m=tree.top_m, top_k=tree.top_k, temperature=tree.drafter_temperature, fused=self.fused,
             )
         return marginal_tables(logits, tree.top_k, tree.drafter_temperature)
 

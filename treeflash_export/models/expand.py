@@ -30,7 +30,7 @@ def marginal_tables(logits: torch.Tensor, top_k: int, temperature: float) -> Tab
 def treeflash_tables(
     z: torch.Tensor,  # [B, H] drafter residual stream (pre-norm)
     logits: torch.Tensor,  # [B, V] marginal logits = lm_head(norm(z))
-    root_embed: torch.Tensor,  # [H] verifier embedding of the root token
+    root: torch.Tensor,  # [1] the root token
     *,
     head: ARApproximationHead,
     norm: nn.Module,
@@ -39,15 +39,24 @@ def treeflash_tables(
     top_m: int,
     top_k: int,
     temperature: float,
+    fused: bool = False,
 ) -> Tables:
+    """fused: the head and final norm through ``torch.ops.treeflash.mlp_expand`` (Triton kernels on
+    CUDA, one custom node in ONNX) instead of the module composition; same math."""
     B, H = z.shape
     candidates = logits[:-1].topk(top_m, dim=-1).indices  # [B-1, M], parents for positions 1..B-1
-    parent_embeds = embed_tokens(candidates)  # [B-1, M, H]
-    # Position 0 is the known root: its embedding stands in for all M candidates.
-    parent_embeds = torch.cat([root_embed.expand(1, top_m, H).to(parent_embeds.dtype), parent_embeds[1:]], dim=0)
-    h = norm(z)[1:, None, :].expand(-1, top_m, -1)
-    delta = head(parent_embeds, h)
-    cond_logits = lm_head(norm(z[1:, None, :] + delta))  # [B-1, M, V]
+    # Position 0 is the known root: it stands in for all M candidates.
+    parent_ids = torch.cat([root.reshape(1, 1).expand(1, top_m), candidates[1:]], dim=0)
+    if fused:
+        from treeflash_kernels.ops import mlp_expand
+
+        states = mlp_expand(z, parent_ids, embed_tokens.weight, head.norm.weight, head.ug.weight, head.ug.bias,
+                            head.d.weight, norm.weight, head.norm.variance_epsilon, norm.variance_epsilon)
+    else:
+        h = norm(z)[1:, None, :].expand(-1, top_m, -1)
+        delta = head(embed_tokens(parent_ids), h)
+        states = norm(z[1:, None, :] + delta)
+    cond_logits = lm_head(states)  # [B-1, M, V]
     lp = F.log_softmax(cond_logits.float() / temperature, dim=-1)
     top = lp.topk(top_k, dim=-1)
     return Tables(top.indices, top.values, link_next_rows(top.indices, candidates))

@@ -1,0 +1,241 @@
+"""The MLP expansion (TreeFlash stage 2 before the LM head) as Triton kernels, with the
+plain-PyTorch reference beside them.
+
+For every (block position d, parent candidate m) pair, row r = d * M + m:
+
+    e      = RMSNorm_e(E[parent[r]])                    (head norm, eps 1e-6)
+    h      = norm(z[d + 1])                             (the drafter's final norm)
+    [u, g] = W_ug [e ; h] + b_ug
+    y      = z[d + 1] + W_d (silu(g) * u)
+    out[r] = norm(y)                                    -> lm_head gives the conditional logits
+
+Position 0's parents are all the root token (the caller puts it in ``parent_ids``).
+
+Four kernels, one per stage. The split follows the data: the two GEMMs stream the
+head's weights (the whole cost at real sizes), the two row-wise stages are
+reductions over H that a GEMM tile cannot see whole.
+- ``expand_prologue_kernel``: gather + both norms -> x [R, 2H] (the GEMM's input)
+- ``swiglu_gemm_kernel``: x W_ug^T + b with the SwiGLU epilogue -> act [R, I]
+  (u and g tiles computed side by side, so the [R, 2I] product is never stored)
+- ``down_residual_kernel``: act W_d^T + z[d + 1] -> y [R, H] (float32)
+- ``rms_norm_kernel``: norm(y) -> out [R, H]
+Every kernel's non-constexpr parameters are ordered (input pointers, int32 sizes,
+output pointers), the calling convention of TensorRT's ahead-of-time plugins, so
+the same kernels serve this launcher and the plugins (treeflash_plugins).
+All accumulation is float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm: normalise in float32, cast back, then scale."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def mlp_expand_reference(z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weight,
+                         norm_weight, head_eps: float, norm_eps: float) -> torch.Tensor:
+    """z [B, H] (pre-norm), parent_ids [B-1, M] -> normalised states [B-1, M, H].
+
+    The same composition as treeflash_export.models (head + final norm), written
+    out: this is what every kernel and graph variant is checked against."""
+    M = parent_ids.shape[1]
+    H = z.shape[1]
+    e = rms_norm(F.embedding(parent_ids, embed_weight), head_norm_weight, head_eps)  # [B-1, M, H]
+    h = rms_norm(z, norm_weight, norm_eps)[1:, None, :].expand(-1, M, H)
+    u, g = F.linear(torch.cat([e, h], dim=-1), ug_weight, ug_bias).chunk(2, dim=-1)
+    delta = F.linear(F.silu(g) * u, d_weight)
+    return rms_norm(z[1:, None, :] + delta, norm_weight, norm_eps)
+
+
+def check_shapes(z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weight, norm_weight) -> None:
+    B, H = z.shape
+    if parent_ids.dim() != 2 or parent_ids.shape[0] != B - 1:
+        raise ValueError(f"mlp_expand: parent_ids must be [B-1, M] = [{B - 1}, M], got {tuple(parent_ids.shape)}")
+    I2 = ug_weight.shape[0]
+    want = {"embed_weight": (embed_weight.shape[0], H), "head_norm_weight": (H,), "ug_weight": (I2, 2 * H),
+            "ug_bias": (I2,), "d_weight": (H, I2 // 2), "norm_weight": (H,)}
+    got = {"embed_weight": embed_weight, "head_norm_weight": head_norm_weight, "ug_weight": ug_weight,
+           "ug_bias": ug_bias, "d_weight": d_weight, "norm_weight": norm_weight}
+    for name, shape in want.items():
+        if tuple(got[name].shape) != shape:
+            raise ValueError(f"mlp_expand: {name} has shape {tuple(got[name].shape)}, expected {shape}")
+    if I2 % 2:
+        raise ValueError(f"mlp_expand: ug_weight rows ({I2}) must be even (u and g halves)")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch reference still works; the kernels need `pip install triton`
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def expand_prologue_kernel(z_ptr, ids_ptr, embed_ptr, head_w_ptr, norm_w_ptr, R, M, H, x_ptr,
+                               HEAD_EPS: tl.constexpr, NORM_EPS: tl.constexpr, BLOCK_H: tl.constexpr):
+        r = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_H)
+        ok = cols < H
+        token = tl.load(ids_ptr + r).to(tl.int64)
+        e = tl.load(embed_ptr + token * H + cols, mask=ok, other=0.0).to(tl.float32)
+        e = e * tl.rsqrt(tl.sum(e * e, axis=0) / H + HEAD_EPS)
+        e = e.to(x_ptr.dtype.element_ty) * tl.load(head_w_ptr + cols, mask=ok, other=0.0)
+        row = (r // M + 1).to(tl.int64)
+        h = tl.load(z_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / H + NORM_EPS)
+        h = h.to(x_ptr.dtype.element_ty) * tl.load(norm_w_ptr + cols, mask=ok, other=0.0)
+        out = x_ptr + r.to(tl.int64) * 2 * H
+        tl.store(out + cols, e, mask=ok)
+        tl.store(out + H + cols, h, mask=ok)
+
+    @triton.jit
+    def swiglu_gemm_kernel(x_ptr, w_ptr, b_ptr, R, I, K, act_ptr, PRECISION: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """act[r, n] = silu(g) * u with u = x W[n]^T + b[n], g = x W[I + n]^T + b[I + n]; x [R, K], W [2I, K]."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < R
+        col_ok = cols < I
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
+        wu_cols = w_ptr + cols.to(tl.int64)[None, :] * K
+        wg_cols = w_ptr + (cols.to(tl.int64) + I)[None, :] * K
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            a = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            wu = tl.load(wu_cols + k[:, None], mask=w_mask, other=0.0)
+            wg = tl.load(wg_cols + k[:, None], mask=w_mask, other=0.0)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+        acc_u += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(b_ptr + I + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def down_residual_kernel(act_ptr, w_ptr, z_ptr, R, H, K, M, y_ptr, PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[r, n] = act[r] . W[n] + z[r // M + 1, n]; act [R, K], W [H, K], y float32 [R, H]."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < R
+        col_ok = cols < H
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        a_rows = act_ptr + rows.to(tl.int64)[:, None] * K
+        w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        ok = row_ok[:, None] & col_ok[None, :]
+        z_rows = (rows // M + 1).to(tl.int64)
+        acc += tl.load(z_ptr + z_rows[:, None] * H + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], acc, mask=ok)
+
+    @triton.jit
+    def rms_norm_kernel(y_ptr, w_ptr, R, H, out_ptr, EPS: tl.constexpr, BLOCK_H: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        ok = cols < H
+        y = tl.load(y_ptr + r * H + cols, mask=ok, other=0.0).to(tl.float32)
+        y = y * tl.rsqrt(tl.sum(y * y, axis=0) / H + EPS)
+        out = y.to(out_ptr.dtype.element_ty) * tl.load(w_ptr + cols, mask=ok, other=0.0)
+        tl.store(out_ptr + r * H + cols, out, mask=ok)
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Chosen for skinny GEMMs (R = (B-1) * M rows, a few hundred) streaming large weights.
+DEFAULT_TILES = GemmTiles()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs multiply in full precision (TF32 would break fp32 parity); 16-bit ones natively."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def row_warps(hidden: int) -> int:
+    """Warps of the row-wise kernels (one program holds a whole row of H)."""
+    return 4 if _pow2(hidden) <= 2048 else 8
+
+
+def mlp_expand_triton(z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weight, norm_weight,
+                      head_eps: float, norm_eps: float, *, gemm: str = "triton",
+                      tiles: GemmTiles = DEFAULT_TILES) -> torch.Tensor:
+    """The four-stage kernel pipeline. gemm="torch" runs the two GEMM stages through
+    torch.matmul (cuBLAS on CUDA) instead, keeping the fused row-wise kernels."""
+    if triton is None:
+        raise RuntimeError("the Triton kernels need triton: pip install triton")
+    check_shapes(z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weight, norm_weight)
+    Bm1, M = parent_ids.shape
+    H = z.shape[1]
+    I = ug_weight.shape[0] // 2
+    R = Bm1 * M
+    dev, dtype = z.device, z.dtype
+    z = z.contiguous()
+    ids = parent_ids.reshape(-1).contiguous()
+    x = torch.empty(R, 2 * H, device=dev, dtype=dtype)
+    block_h = _pow2(H)
+    warps_rows = row_warps(H)
+    expand_prologue_kernel[(R,)](z, ids, embed_weight, head_norm_weight, norm_weight, R, M, H, x,
+                                 HEAD_EPS=head_eps, NORM_EPS=norm_eps, BLOCK_H=block_h, num_warps=warps_rows)
+    prec = dot_precision(dtype)
+    t = tiles
+    if gemm == "triton":
+        act = torch.empty(R, I, device=dev, dtype=dtype)
+        grid = (triton.cdiv(R, t.block_m), triton.cdiv(I, t.block_n))
+        swiglu_gemm_kernel[grid](x, ug_weight, ug_bias, R, I, 2 * H, act, PRECISION=prec, BLOCK_M=t.block_m,
+                                 BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+                                 num_stages=t.num_stages)
+        y = torch.empty(R, H, device=dev, dtype=torch.float32)
+        grid = (triton.cdiv(R, t.block_m), triton.cdiv(H, t.block_n))
+        down_residual_kernel[grid](act, d_weight, z, R, H, I, M, y, PRECISION=prec, BLOCK_M=t.block_m,
+                                   BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+                                   num_stages=t.num_stages)
+    elif gemm == "torch":
+        u, g = F.linear(x, ug_weight, ug_bias).chunk(2, dim=-1)
+        delta = F.linear(F.silu(g) * u, d_weight)
+        y = (z[1:].repeat_interleave(M, dim=0) + delta).float()
+    else:
+        raise ValueError(f"gemm must be 'triton' or 'torch', not {gemm!r}")
+    out = torch.empty(R, H, device=dev, dtype=dtype)
+    rms_norm_kernel[(R,)](y, norm_weight, R, H, out, EPS=norm_eps, BLOCK_H=block_h, num_warps=warps_rows)
+    return out.view(Bm1, M, H)
