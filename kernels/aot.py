@@ -7,6 +7,12 @@ machine that every kernel compiles for Hopper (sm_90).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
 from . import mlp_expand as mk
 from .mlp_expand import DEFAULT_TILES, GemmTiles
 
@@ -51,24 +57,50 @@ def num_warps(name: str, hidden: int, tiles: GemmTiles = DEFAULT_TILES) -> tuple
     return mk.row_warps(hidden), 1
 
 
+@dataclass(frozen=True)
+class CompiledKernel:
+    name: str  # the kernel's entry symbol in the PTX
+    ptx: str
+    num_warps: int
+    shared: int  # dynamic shared memory per block, bytes
+    arch: int
+
+
 def compile_kernel(name: str, dtype: str, *, hidden: int, arch: int = 90, head_eps: float = 1e-6,
-                   norm_eps: float = 1e-6, tiles: GemmTiles = DEFAULT_TILES):
-    """triton.compile one kernel for CUDA sm_<arch>; returns the CompiledKernel (asm['ptx'], metadata)."""
+                   norm_eps: float = 1e-6, tiles: GemmTiles = DEFAULT_TILES) -> CompiledKernel:
+    """triton.compile one kernel for CUDA sm_<arch>. Where launches are interpreted
+    (TRITON_INTERPRET=1) Triton cannot also generate code in the same process, so it
+    compiles in a child process."""
+    if mk.triton is None:
+        raise RuntimeError("compiling the kernels needs triton: pip install triton")
+    request = dict(name=name, dtype=dtype, hidden=hidden, arch=arch, head_eps=head_eps, norm_eps=norm_eps,
+                   tiles=asdict(tiles))
+    if not mk.triton.knobs.runtime.interpret:
+        return _compile(**request)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "treeflash_kernels.aot", json.dumps(request)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {name} for sm_{arch} failed:\n{proc.stderr[-4000:]}")
+    return CompiledKernel(**json.loads(proc.stdout))
+
+
+def _compile(name, dtype, hidden, arch, head_eps, norm_eps, tiles) -> CompiledKernel:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
 
-    if mk.triton is None:
-        raise RuntimeError("compiling the kernels needs triton: pip install triton")
+    tiles = GemmTiles(**tiles)
     attr, args = KERNELS[name]
-    fn = getattr(mk, attr)
-    if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1 wraps kernels for the interpreter
-        fn = JITFunction(fn.fn)
     t = TRITON_DTYPES[dtype]
     types = {"T": f"*{t}", "F32": "*fp32", "I64": "*i64", "i32": "i32"}
     consts = constexprs(name, dtype, hidden=hidden, head_eps=head_eps, norm_eps=norm_eps, tiles=tiles)
     signature = {a: types[k] for a, k in args} | {c: "constexpr" for c in consts}
     warps, stages = num_warps(name, hidden, tiles)
-    src = ASTSource(fn=fn, signature=signature, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    src = ASTSource(fn=getattr(mk, attr), signature=signature, constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    return CompiledKernel(k.metadata.name, k.asm["ptx"], k.metadata.num_warps, k.metadata.shared, arch)
+
+
+if __name__ == "__main__":  # the child process of compile_kernel
+    print(json.dumps(asdict(_compile(**json.loads(sys.argv[1])))))

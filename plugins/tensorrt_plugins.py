@@ -38,14 +38,14 @@ def _launch(kernel, grid_x, grid_y=1) -> trtp.KernelLaunchParams:
     p = trtp.KernelLaunchParams()
     p.grid_x = grid_x
     p.grid_y = grid_y
-    p.block_x = kernel.metadata.num_warps * 32
-    p.shared_mem = kernel.metadata.shared
+    p.block_x = kernel.num_warps * 32
+    p.shared_mem = kernel.shared
     return p
 
 
 def _result(kernel, params, *sizes):
     extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(s) for s in sizes])
-    return kernel.metadata.name.encode(), kernel.asm["ptx"].encode(), params, extra
+    return kernel.name.encode(), kernel.ptx.encode(), params, extra
 
 
 def _rows(parent_ids: trtp.TensorDesc):

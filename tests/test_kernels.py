@@ -1,0 +1,107 @@
+"""The MLP-expansion Triton kernels against their PyTorch reference (Triton's interpreter on CPU,
+compiled on CUDA), the custom op, and ahead-of-time compilation for Hopper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeflash_kernels import mlp_expand as mk
+
+needs_triton = pytest.mark.skipif(mk.triton is None, reason="triton is not installed (pip install triton)")
+
+# (B, M, H, I, V): non-powers of two everywhere, M = 1, a single block row (B = 2), H > one GEMM tile.
+SHAPES = [(4, 3, 40, 24, 50), (2, 1, 16, 16, 20), (5, 4, 64, 48, 30), (3, 1, 24, 40, 17), (6, 5, 72, 80, 64)]
+
+
+def make_inputs(B, M, H, I, V, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g) * scale + shift).to(device=device, dtype=dtype)
+
+    ids = torch.randint(0, V, (B - 1, M), generator=g).to(device)
+    return (r(B, H, scale=3.0), ids, r(V, H), r(H, scale=0.2, shift=1.0), r(2 * I, 2 * H, scale=0.3), r(2 * I, scale=0.1),
+            r(H, I, scale=0.3), r(H, scale=0.2, shift=1.0), 1e-6, 1e-5)
+
+
+def module_composition(z, ids, E, head_w, ug_w, ug_b, d_w, norm_w, head_eps, norm_eps):
+    """The head as the model code computes it (modules), to tie the reference to it."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from treeflash_export.models.head import ARApproximationHead
+
+    H, I = z.shape[1], d_w.shape[1]
+    head = ARApproximationHead(H, I)
+    norm = Qwen3RMSNorm(H, eps=norm_eps)
+    with torch.no_grad():
+        head.ug.weight.copy_(ug_w), head.ug.bias.copy_(ug_b), head.d.weight.copy_(d_w), head.norm.weight.copy_(head_w)
+        norm.weight.copy_(norm_w)
+        M = ids.shape[1]
+        delta = head(E[ids], norm(z)[1:, None, :].expand(-1, M, -1))
+        return norm(z[1:, None, :] + delta)
+
+
+def test_reference_is_the_model_composition():
+    args = make_inputs(4, 3, 40, 24, 50)
+    assert torch.equal(mk.mlp_expand_reference(*args), module_composition(*args))
+
+
+@needs_triton
+@pytest.mark.parametrize("gemm", ["triton", "torch"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-M{}-H{}-I{}-V{}".format(*s))
+def test_kernels_match_reference_fp32(shape, gemm):
+    args = make_inputs(*shape)
+    ref = mk.mlp_expand_reference(*args)
+    out = mk.mlp_expand_triton(*args, gemm=gemm)
+    assert out.shape == ref.shape == (shape[0] - 1, shape[1], shape[2])
+    err = (out - ref).abs().max().item()
+    assert err < 1e-4, err  # seen: about 1e-6
+
+
+@needs_triton
+def test_kernels_other_tiles_and_errors():
+    args = make_inputs(5, 4, 64, 48, 30)
+    ref = mk.mlp_expand_reference(*args)
+    out = mk.mlp_expand_triton(*args, tiles=mk.GemmTiles(block_m=16, block_n=32, block_k=16))
+    assert (out - ref).abs().max().item() < 1e-4
+    bad = list(args)
+    bad[6] = bad[6][:, :-1]  # d_weight [H, I-1]
+    with pytest.raises(ValueError, match="d_weight"):
+        mk.mlp_expand_triton(*bad)
+    with pytest.raises(ValueError, match="gemm"):
+        mk.mlp_expand_triton(*args, gemm="cublas")
+
+
+def test_custom_op_fake_and_cpu_path():
+    from treeflash_kernels.ops import mlp_expand
+
+    args = make_inputs(4, 3, 40, 24, 50)
+    assert torch.equal(mlp_expand(*args), mk.mlp_expand_reference(*args))  # CPU: the reference
+    torch.library.opcheck(mlp_expand, args)  # schema, fake (meta) implementation, dispatch
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_kernel_compiles_for_hopper(dtype):
+    """The PTX TensorRT's ahead-of-time plugins embed: compiled for sm_90 with no GPU present."""
+    from treeflash_kernels.aot import KERNELS, compile_kernel
+
+    for name in KERNELS:
+        k = compile_kernel(name, dtype, hidden=4096, arch=90)
+        assert ".target sm_90" in k.ptx and f".entry {k.name}(" in k.ptx, name
+        assert k.num_warps * 32 <= 1024 and k.shared <= 227 * 1024, name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.float16, 2e-2), (torch.bfloat16, 1e-1)])
+@pytest.mark.parametrize("shape", SHAPES + [(16, 16, 512, 1536, 1000)], ids=lambda s: "B{}-M{}-H{}-I{}-V{}".format(*s))
+def test_kernels_match_reference_cuda(shape, dtype, tol):
+    """Compiled kernels on the GPU vs the float32 reference (tolerances per dtype; outputs are RMS-normalised)."""
+    args = make_inputs(*shape, dtype=dtype, device="cuda")
+    ref = mk.mlp_expand_reference(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
+    for gemm in ("triton", "torch"):
+        out = mk.mlp_expand_triton(*args, gemm=gemm)
+        err = (out.float() - ref).abs().max().item()
+        assert err < tol, (gemm, err)
