@@ -105,3 +105,23 @@ def test_kernels_match_reference_cuda(shape, dtype, tol):
         out = mk.mlp_expand_triton(*args, gemm=gemm)
         err = (out.float() - ref).abs().max().item()
         assert err < tol, (gemm, err)
+
+
+@needs_triton
+def test_kernel_bench_runs_side_by_side():
+    import json
+
+    from click.testing import CliRunner
+
+    from treeflash_kernels.bench import main as bench_main
+
+    args = ["--hidden", "48", "--intermediate", "40", "--block", "3", "--top-m", "2", "--vocab", "100",
+            "--dtype", "float32", "--repeat", "1", "--warmup", "0", "--json"]
+    r = CliRunner().invoke(bench_main, args)
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert [x["impl"] for x in report["results"]] == ["eager", "triton", "triton-cublas"]
+    assert all(x["max_abs_diff_vs_eager"] < 1e-4 and x["seconds"] > 0 for x in report["results"])
+    assert report["floor_ms"] > 0 and report["bandwidth_GBps"] > 0 and report["shape"]["rows"] == 4
+    r = CliRunner().invoke(bench_main, args[:-1] + ["--impls", "eager,fast"])
+    assert r.exit_code == 2 and "unknown --impls" in r.output
