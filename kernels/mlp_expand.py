@@ -197,45 +197,88 @@ def row_warps(hidden: int) -> int:
     return 4 if _pow2(hidden) <= 2048 else 8
 
 
+# Stage references: what each kernel computes, in plain PyTorch (float32 where the kernel keeps float32).
+
+
+def expand_prologue_reference(z, parent_ids, embed_weight, head_norm_weight, norm_weight, head_eps, norm_eps):
+    M, H = parent_ids.shape[1], z.shape[1]
+    e = rms_norm(F.embedding(parent_ids, embed_weight), head_norm_weight, head_eps)
+    h = rms_norm(z, norm_weight, norm_eps)[1:, None, :].expand(-1, M, H)
+    return torch.cat([e, h], dim=-1).reshape(-1, 2 * H)
+
+
+def swiglu_reference(x, ug_weight, ug_bias):
+    u, g = F.linear(x, ug_weight, ug_bias).chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def down_residual_reference(act, d_weight, z, top_m: int):
+    return (z[1:].repeat_interleave(top_m, dim=0) + F.linear(act, d_weight)).float()
+
+
+# Stage launchers: one kernel each (the same kernels and launch grids as the TensorRT plugins).
+
+
+def _need_triton():
+    if triton is None:
+        raise RuntimeError("the Triton kernels need triton: pip install triton")
+
+
+def expand_prologue(z, parent_ids, embed_weight, head_norm_weight, norm_weight, head_eps, norm_eps):
+    _need_triton()
+    (Bm1, M), H = parent_ids.shape, z.shape[1]
+    R = Bm1 * M
+    x = torch.empty(R, 2 * H, device=z.device, dtype=z.dtype)
+    expand_prologue_kernel[(R,)](z.contiguous(), parent_ids.reshape(-1).contiguous(), embed_weight,
+                                 head_norm_weight, norm_weight, R, M, H, x, HEAD_EPS=head_eps, NORM_EPS=norm_eps,
+                                 BLOCK_H=_pow2(H), num_warps=row_warps(H))
+    return x
+
+
+def swiglu_gemm(x, ug_weight, ug_bias, tiles: GemmTiles = DEFAULT_TILES):
+    _need_triton()
+    (R, K), I, t = x.shape, ug_weight.shape[0] // 2, tiles
+    act = torch.empty(R, I, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(R, t.block_m), triton.cdiv(I, t.block_n))
+    swiglu_gemm_kernel[grid](x, ug_weight, ug_bias, R, I, K, act, PRECISION=dot_precision(x.dtype),
+                             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+                             num_stages=t.num_stages)
+    return act
+
+
+def down_residual(act, d_weight, z, top_m: int, tiles: GemmTiles = DEFAULT_TILES):
+    _need_triton()
+    (R, I), H, t = act.shape, d_weight.shape[0], tiles
+    y = torch.empty(R, H, device=act.device, dtype=torch.float32)
+    grid = (triton.cdiv(R, t.block_m), triton.cdiv(H, t.block_n))
+    down_residual_kernel[grid](act, d_weight, z.contiguous(), R, H, I, top_m, y, PRECISION=dot_precision(act.dtype),
+                               BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+                               num_stages=t.num_stages)
+    return y
+
+
+def rms_norm_rows(y, weight, eps: float):
+    """RMSNorm of float32 rows y [R, H] into weight's dtype."""
+    _need_triton()
+    R, H = y.shape
+    out = torch.empty(R, H, device=y.device, dtype=weight.dtype)
+    rms_norm_kernel[(R,)](y, weight, R, H, out, EPS=eps, BLOCK_H=_pow2(H), num_warps=row_warps(H))
+    return out
+
+
 def mlp_expand_triton(z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weight, norm_weight,
                       head_eps: float, norm_eps: float, *, gemm: str = "triton",
                       tiles: GemmTiles = DEFAULT_TILES) -> torch.Tensor:
-    """The four-stage kernel pipeline. gemm="torch" runs the two GEMM stages through
-    torch.matmul (cuBLAS on CUDA) instead, keeping the fused row-wise kernels."""
-    if triton is None:
-        raise RuntimeError("the Triton kernels need triton: pip install triton")
+    """The four kernels in turn. gemm="torch" runs the two GEMM stages through torch.matmul
+    (cuBLAS on CUDA) instead, keeping the row-wise kernels."""
+    _need_triton()
+    if gemm not in ("triton", "torch"):
+        raise ValueError(f"gemm must be 'triton' or 'torch', not {gemm!r}")
     check_shapes(z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weight, norm_weight)
     Bm1, M = parent_ids.shape
-    H = z.shape[1]
-    I = ug_weight.shape[0] // 2
-    R = Bm1 * M
-    dev, dtype = z.device, z.dtype
-    z = z.contiguous()
-    ids = parent_ids.reshape(-1).contiguous()
-    x = torch.empty(R, 2 * H, device=dev, dtype=dtype)
-    block_h = _pow2(H)
-    warps_rows = row_warps(H)
-    expand_prologue_kernel[(R,)](z, ids, embed_weight, head_norm_weight, norm_weight, R, M, H, x,
-                                 HEAD_EPS=head_eps, NORM_EPS=norm_eps, BLOCK_H=block_h, num_warps=warps_rows)
-    prec = dot_precision(dtype)
-    t = tiles
+    x = expand_prologue(z, parent_ids, embed_weight, head_norm_weight, norm_weight, head_eps, norm_eps)
     if gemm == "triton":
-        act = torch.empty(R, I, device=dev, dtype=dtype)
-        grid = (triton.cdiv(R, t.block_m), triton.cdiv(I, t.block_n))
-        swiglu_gemm_kernel[grid](x, ug_weight, ug_bias, R, I, 2 * H, act, PRECISION=prec, BLOCK_M=t.block_m,
-                                 BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
-                                 num_stages=t.num_stages)
-        y = torch.empty(R, H, device=dev, dtype=torch.float32)
-        grid = (triton.cdiv(R, t.block_m), triton.cdiv(H, t.block_n))
-        down_residual_kernel[grid](act, d_weight, z, R, H, I, M, y, PRECISION=prec, BLOCK_M=t.block_m,
-                                   BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
-                                   num_stages=t.num_stages)
-    elif gemm == "torch":
-        u, g = F.linear(x, ug_weight, ug_bias).chunk(2, dim=-1)
-        delta = F.linear(F.silu(g) * u, d_weight)
-        y = (z[1:].repeat_interleave(M, dim=0) + delta).float()
+        y = down_residual(swiglu_gemm(x, ug_weight, ug_bias, tiles), d_weight, z, M, tiles)
     else:
-        raise ValueError(f"gemm must be 'triton' or 'torch', not {gemm!r}")
-    out = torch.empty(R, H, device=dev, dtype=dtype)
-    rms_norm_kernel[(R,)](y, norm_weight, R, H, out, EPS=norm_eps, BLOCK_H=block_h, num_warps=warps_rows)
-    return out.view(Bm1, M, H)
+        y = down_residual_reference(swiglu_reference(x, ug_weight, ug_bias), d_weight, z, M)
+    return rms_norm_rows(y, norm_weight, norm_eps).view(Bm1, M, -1)

@@ -60,6 +60,24 @@ def test_kernels_match_reference_fp32(shape, gemm):
 
 
 @needs_triton
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-M{}-H{}-I{}-V{}".format(*s))
+def test_each_kernel_matches_its_reference_fp32(shape):
+    z, ids, E, head_w, ug_w, ug_b, d_w, norm_w, head_eps, norm_eps = make_inputs(*shape)
+    M = shape[1]
+    x = mk.expand_prologue(z, ids, E, head_w, norm_w, head_eps, norm_eps)
+    x_ref = mk.expand_prologue_reference(z, ids, E, head_w, norm_w, head_eps, norm_eps)
+    assert (x - x_ref).abs().max() < 1e-5
+    act = mk.swiglu_gemm(x_ref, ug_w, ug_b)
+    act_ref = mk.swiglu_reference(x_ref, ug_w, ug_b)
+    assert (act - act_ref).abs().max() < 1e-4
+    y = mk.down_residual(act_ref, d_w, z, M)
+    y_ref = mk.down_residual_reference(act_ref, d_w, z, M)
+    assert y.dtype == torch.float32 and (y - y_ref).abs().max() < 1e-4
+    out = mk.rms_norm_rows(y_ref, norm_w, norm_eps)
+    assert (out - mk.rms_norm(y_ref, norm_w, norm_eps)).abs().max() < 1e-5
+
+
+@needs_triton
 def test_kernels_other_tiles_and_errors():
     args = make_inputs(5, 4, 64, 48, 30)
     ref = mk.mlp_expand_reference(*args)
