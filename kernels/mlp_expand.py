@@ -86,6 +86,13 @@ except ImportError:  # the PyTorch reference still works; the kernels need `pip 
 if triton is not None:
 
     @triton.jit
+    def _gemm_tile(R, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's output tile: row and column indices and their bounds masks."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows, cols, rows < R, cols < N
+
+    @triton.jit
     def expand_prologue_kernel(z_ptr, ids_ptr, embed_ptr, head_w_ptr, norm_w_ptr, R, M, H, x_ptr,
                                HEAD_EPS: tl.constexpr, NORM_EPS: tl.constexpr, BLOCK_H: tl.constexpr):
         r = tl.program_id(0)
@@ -107,13 +114,8 @@ if triton is not None:
     def swiglu_gemm_kernel(x_ptr, w_ptr, b_ptr, R, I, K, act_ptr, PRECISION: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """act[r, n] = silu(g) * u with u = x W[n]^T + b[n], g = x W[I + n]^T + b[I + n]; x [R, K], W [2I, K]."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols, row_ok, col_ok = _gemm_tile(R, I, BLOCK_M, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        row_ok = rows < R
-        col_ok = cols < I
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
@@ -138,13 +140,8 @@ if triton is not None:
     def down_residual_kernel(act_ptr, w_ptr, z_ptr, R, H, K, M, y_ptr, PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[r, n] = act[r] . W[n] + z[r // M + 1, n]; act [R, K], W [H, K], y float32 [R, H]."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols, row_ok, col_ok = _gemm_tile(R, H, BLOCK_M, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        row_ok = rows < R
-        col_ok = cols < H
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         a_rows = act_ptr + rows.to(tl.int64)[:, None] * K
         w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
