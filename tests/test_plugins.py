@@ -166,6 +166,31 @@ def test_plugin_free_form_runs_and_builds_with_tensorrt_rtx(variants, tmp_path):
     assert size > 10_000
 
 
+def test_tensorrt_plugin_build_wiring(pair_dirs, tmp_path, monkeypatch):
+    """--target tensorrt --variant plugin without TensorRT: the engine builder is replaced by a recorder,
+    to check what the build hands it (the split graph for expand, with plugins; the plain files otherwise)."""
+    from treeflash_export import export as export_mod
+
+    calls = {}
+
+    def fake_build_engine(onnx_path, spec, plan_path, *, flavor, timing_cache=None, plugins=False):
+        calls[spec.name] = (onnx_path.name, plugins)
+        plan_path.write_bytes(b"plan")
+        return 4
+
+    monkeypatch.setattr(export_mod, "build_engine", fake_build_engine)
+    d = pair_dirs["qwen3"]
+    out = build(str(d / "verifier"), str(d / "drafter"), tmp_path / "trt",
+                BuildConfig(target="tensorrt", variant="plugin", max_seq_len=128, **TREE), validate=False,
+                log=lambda m: None)
+    assert calls == {"verify": ("verify.onnx", False), "draft": ("draft.onnx", False),
+                     "expand": ("expand.tensorrt.onnx", True)}
+    art = load_artifact(out)
+    assert art.manifest["graphs"]["expand"]["onnx_tensorrt"] == "onnx/expand.tensorrt.onnx"
+    split = onnx.load(str(out / "onnx" / "expand.tensorrt.onnx"))
+    assert [n.op_type for n in custom_nodes(split)] == ["ExpandPrologue", "SwigluGemm", "DownResidual", "RmsNorm"]
+
+
 def test_plugin_build_errors(pair_dirs, tmp_path):
     from treeflash_export.cli import main as export_main
 

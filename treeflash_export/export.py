@@ -281,12 +281,12 @@ def build(model: str, drafter: str, out: str | Path | None, cfg: BuildConfig, *,
                 step(4, f"building {cfg.target} engine for {name}")
                 plan = tmp / "engines" / f"{name}{ENGINE_SUFFIX[cfg.target]}"
                 source = tmp / "onnx" / f"{name}.onnx"
-                plugins = cfg.variant == "plugin" and uses_custom_ops(onnx.load(str(source), load_external_data=False))
+                graph = onnx.load(str(source), load_external_data=False)
+                plugins = cfg.variant == "plugin" and uses_custom_ops(graph)
                 if plugins:  # one plugin node per kernel (TensorRT's ahead-of-time plugins launch one each)
-                    split = split_for_tensorrt(onnx.load(str(source)))
+                    # Weights kept in an external file stay there: the split graph points at the same file.
                     source = source.with_name(f"{name}.tensorrt.onnx")
-                    big = onnx_weight_bytes(tmp / "onnx" / f"{name}.onnx") > (1 << 30)
-                    onnx.save(split, str(source), save_as_external_data=big, location=f"{source.name}.data")
+                    onnx.save(split_for_tensorrt(graph), str(source))
                     graphs[name]["onnx_tensorrt"] = source.relative_to(tmp).as_posix()
                 size = build_engine(source, specs[name], plan, flavor=cfg.target, timing_cache=cache,
                                     plugins=plugins)
