@@ -18,18 +18,15 @@ class _Streamer:
     """Prints decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
 
     def __init__(self, tokenizer, stream):
-        self.tokenizer, self.stream = tokenizer, stream
-        self.tokens: list[int] = []
-        self.printed = 0
+        from .serving import IncrementalText
+
+        self.text, self.stream = IncrementalText(tokenizer), stream
 
     def __call__(self, new: list[int]) -> None:
-        self.tokens.extend(new)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.stream.write(text[self.printed:])
-        self.stream.flush()
-        self.printed = len(text)
+        piece = self.text.add(new)
+        if piece:
+            self.stream.write(piece)
+            self.stream.flush()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
