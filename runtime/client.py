@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from treeflash_export.errors import TreeFlashError
-from treeflash_export.triton_repo import MODEL_NAME, NUMPY_DTYPES, SERVING_INPUTS, TRITON_DTYPES
+from treeflash_export.triton_repo import MODEL_NAME, NUMPY_DTYPES, SERVING_INPUTS
 
 
 
@@ -50,8 +50,10 @@ def request_inputs(prompt: str, max_tokens: int, *, stream: bool, temperature: f
     return {s.name: values[s.name] for s in SERVING_INPUTS if values[s.name] is not None}
 
 
-def _as_array(name: str, values: list) -> np.ndarray:
-    dtype = next(s.dtype for s in SERVING_INPUTS if s.name == name)
+def _as_array(name: str, values) -> np.ndarray:
+    if isinstance(values, np.ndarray):  # sent as it is (tests send wrong dtypes on purpose)
+        return values
+    dtype = _dtype(name)
     if dtype == "string":
         values = [v.encode("utf-8") for v in values]
     return np.array([values], dtype=NUMPY_DTYPES[dtype])  # leading batch axis of 1
@@ -68,15 +70,14 @@ def stream_grpc(server: str, inputs: dict, *, model: str = MODEL_NAME, timeout: 
                 on_text: Callable[[str], None] | None = None) -> ServerResult:
     """One generation over a gRPC stream; ``on_text`` gets each new piece of text as it arrives."""
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
     replies: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(_split_server(server))
     tensors = []
     for name, values in inputs.items():
         arr = _as_array(name, values)
-        t = grpcclient.InferInput(name, list(arr.shape), TRITON_DTYPES[_dtype(name)].replace("TYPE_", "")
-                                  .replace("STRING", "BYTES"))
+        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
         t.set_data_from_numpy(arr)
         tensors.append(t)
     pieces, ids, arrivals = [], [], []
@@ -113,6 +114,11 @@ def generate_http(server: str, inputs: dict, *, model: str = MODEL_NAME, timeout
     """One non-streamed generation through Triton's HTTP generate endpoint."""
     body = {name: values if name == "stop_words" else values[0] for name, values in inputs.items()}
     body["stream"] = False
+    return post_generate(server, body, model=model, timeout=timeout)
+
+
+def post_generate(server: str, body: dict, *, model: str = MODEL_NAME, timeout: float = 300.0) -> ServerResult:
+    """POST a JSON body to the model's generate endpoint (one response)."""
     req = urllib.request.Request(f"http://{_split_server(server)}/v2/models/{model}/generate",
                                  data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
