@@ -163,7 +163,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         }
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
-        sys.stdout.write("\n")
+        sys.stdout.write(streamer.text.flush() + "\n")  # the held-back end, if generation stopped mid-character
         click.echo(
             f"[{s.mode}/{s.backend}] {s.new_tokens} tokens in {s.rounds} rounds, "
             f"{s.mean_accepted:.2f} tokens/round, {s.tokens_per_s:.1f} tok/s ({result.stop_reason})",

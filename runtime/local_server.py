@@ -7,7 +7,7 @@ libpython on LD_LIBRARY_PATH (without the latter the stub loads the system libpy
 crashes) and this environment's bin/ first on PATH (so the stub imports what is installed
 here), every address bound to 127.0.0.1 on free ports; ready when /v2/health/ready answers 200.
 
-    python -m treeflash_runtime.local_server REPO     # serves REPO until Ctrl-C
+    python -m treeflash_runtime.local_server REPO     # serves REPO until Ctrl-C or SIGTERM
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class LocalServer:
     http_port: int
     grpc_port: int
     log_path: Path
+    scratch: Path | None = None  # a folder start_local_server made itself: removed by stop()
 
     @property
     def http(self) -> str:
@@ -78,6 +79,8 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 os.kill(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _ready(http: str) -> bool:
@@ -96,7 +99,8 @@ def start_local_server(repo: str | Path, workdir: str | Path | None = None, *, t
     stub = server / "python_backend_stubs" / py / "triton_python_backend_stub"
     if not stub.is_file():
         raise TreeFlashError(f"nvidia-pytriton has no Python-backend stub for Python {py}")
-    work = Path(workdir or tempfile.mkdtemp(prefix="treeflash-tritonserver-"))
+    scratch = None if workdir else Path(tempfile.mkdtemp(prefix="treeflash-tritonserver-"))
+    work = Path(workdir or scratch)
     home = work / "tritonserver"
     shutil.copytree(server, home, ignore=shutil.ignore_patterns("python_backend_stubs", "__pycache__"))
     shutil.copy2(stub, home / "backends" / "python" / stub.name)
@@ -104,7 +108,9 @@ def start_local_server(repo: str | Path, workdir: str | Path | None = None, *, t
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         [str(libs), sysconfig.get_config_var("LIBDIR")] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    http_port, grpc_port = free_port(), free_port()
+    http_port = grpc_port = free_port()
+    while grpc_port == http_port:
+        grpc_port = free_port()
     cmd = [str(home / "bin" / "tritonserver"), "--model-repository", str(Path(repo).resolve()),
            "--backend-directory", str(home / "backends"), "--cache-directory", str(home / "caches"),
            "--http-address", HOST, "--http-port", str(http_port), "--grpc-address", HOST,
@@ -114,15 +120,18 @@ def start_local_server(repo: str | Path, workdir: str | Path | None = None, *, t
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=work, start_new_session=True)
-    srv = LocalServer(proc, http_port, grpc_port, log_path)
+    srv = LocalServer(proc, http_port, grpc_port, log_path, scratch)
     deadline = time.monotonic() + timeout
-    while not _ready(srv.http):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            srv.stop()
-            tail = "\n".join(srv.log().splitlines()[-40:])
-            raise TreeFlashError(f"tritonserver did not become ready (exit status {proc.returncode}); its log "
-                                 f"ends:\n{tail}")
-        time.sleep(0.25)
+    try:
+        while not _ready(srv.http):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(srv.log().splitlines()[-40:])
+                raise TreeFlashError(f"tritonserver did not become ready (exit status {proc.poll()}); its log "
+                                     f"ends:\n{tail}")
+            time.sleep(0.25)
+    except BaseException:  # not ready, or interrupted: never leave a server behind
+        srv.stop()
+        raise
     return srv
 
 
@@ -130,16 +139,25 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         sys.exit("usage: python -m treeflash_runtime.local_server REPO")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the server runs in its own session
+        signal.signal(sig, interrupt)
     try:
         srv = start_local_server(argv[0])
     except TreeFlashError as exc:
         sys.exit(f"error: {exc}")
+    except KeyboardInterrupt:
+        sys.exit(1)
     print(f"tritonserver ready: HTTP {srv.http}, gRPC {srv.grpc} (log: {srv.log_path}); Ctrl-C stops it",
           flush=True)
     try:
         srv.process.wait()
     except KeyboardInterrupt:
-        srv.stop()
+        pass
+    srv.stop()
 
 
 if __name__ == "__main__":

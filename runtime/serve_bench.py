@@ -123,9 +123,9 @@ def format_serving_report(report: dict) -> str:
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
         t, i = r["ttft_s"], r["itl_s"]
-        lines.append(f"{r['where']:<15} {r['concurrency']:>4} {r['requests']:>4} "
-                     f"{t['mean'] * 1e3:>8.1f}/{t['p50'] * 1e3:.1f}/{t['p90'] * 1e3:.1f} "
-                     f"{i['mean'] * 1e3:>8.2f}/{i['p50'] * 1e3:.2f}/{i['p90'] * 1e3:.2f} "
+        ttft = f"{t['mean'] * 1e3:.1f}/{t['p50'] * 1e3:.1f}/{t['p90'] * 1e3:.1f}"
+        itl = f"{i['mean'] * 1e3:.2f}/{i['p50'] * 1e3:.2f}/{i['p90'] * 1e3:.2f}"
+        lines.append(f"{r['where']:<15} {r['concurrency']:>4} {r['requests']:>4} {ttft:>22} {itl:>21} "
                      f"{r['requests_per_s']:>7.2f} {r['tokens_per_s']:>8.1f}")
     lines.append(f"greedy outputs identical in process and through the server: {report['identical_outputs']} "
                  f"({report['prompts']} prompts, {report['max_new_tokens']} new tokens, in-process backend "

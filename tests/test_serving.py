@@ -378,12 +378,14 @@ def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, referenc
 
 
 @pytest.mark.tritonserver
-def test_run_cli_against_the_server(server, reference):
+def test_run_cli_against_the_server(server, reference, artifact):
     ref = reference(PROMPTS[2])
     args = ["--prompt", PROMPTS[2], "--max-new-tokens", str(NEW)]
     r = CliRunner().invoke(run_main, ["--server", server.grpc, *args])
     assert r.exit_code == 0, r.output
     assert r.stdout == ref["text"] + "\n" and "tokens/round" in r.stderr
+    local = CliRunner().invoke(run_main, ["--artifacts", str(artifact.root), "--backend", "onnxruntime", *args])
+    assert local.exit_code == 0 and local.stdout == r.stdout  # streamed in process: the same text
     r = CliRunner().invoke(run_main, ["--server", server.http, "--server-protocol", "http", *args, "--json"])
     out = json.loads(r.stdout)
     assert out["text"] == ref["text"] and out["token_ids"] == ref["token_ids"] and out["rounds"] == ref["rounds"]
