@@ -409,3 +409,17 @@ def test_bench_in_process_vs_server(server, artifact):
     for row in report["rows"]:
         assert row["requests"] == 8 and row["tokens"] > 0 and row["tokens_per_s"] > 0 and row["requests_per_s"] > 0
         assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p90"] and row["itl_s"]["mean"] > 0
+
+
+@pytest.mark.tritonserver
+def test_a_model_that_cannot_load_stops_the_server_with_its_reason(artifact, tmp_path):
+    if not HAVE_SERVER:
+        pytest.skip("nvidia-pytriton / tritonclient are not installed (pip install 'treeflash-export[serve]')")
+    from treeflash_export.errors import TreeFlashError
+    from treeflash_runtime.local_server import start_local_server
+
+    repo = write_triton_repo(artifact.root, tmp_path / "repo", log=lambda m: None)
+    (repo / "treeflash" / "1" / "artifact" / MANIFEST).unlink()  # an incomplete copy
+    with pytest.raises(TreeFlashError) as err:
+        start_local_server(repo, tmp_path / "work", timeout=120)
+    assert "did not become ready" in str(err.value) and "has no manifest.json" in str(err.value)
