@@ -22,7 +22,7 @@ from conftest import PROMPTS
 from treeflash_export.artifact import MANIFEST, file_table, load_artifact
 from treeflash_export.cli import main as export_main
 from treeflash_export.export import BuildConfig, build
-from treeflash_export.triton_repo import SERVING_INPUTS, SERVING_OUTPUTS, write_triton_repo
+from treeflash_export.triton_repo import SERVING_OUTPUTS, write_triton_repo
 from treeflash_runtime.cli import main as run_main
 
 CAPACITY = 256

@@ -10,7 +10,6 @@ one error response and the model goes on serving.
 import json
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from treeflash_export.errors import TreeFlashError

@@ -80,7 +80,7 @@ SERVING_OUTPUTS = (
 )
 
 
-class Enum(str):
+class PbEnum(str):
     """A protobuf enum value: written without quotes."""
 
 
@@ -92,7 +92,7 @@ def to_pbtxt(message: dict, indent: int = 0) -> str:
 def _scalar(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, Enum):
+    if isinstance(v, PbEnum):
         return str(v)
     if isinstance(v, str):
         return json.dumps(v)
@@ -130,7 +130,7 @@ def plan_model_config(name: str, spec: GraphSpec, instances: int) -> dict:
         return [d if isinstance(d, int) else (-1 if pick is None else spec.dynamic[d][pick]) for d in shape]
 
     def tensors(specs):
-        return [{"name": s.name, "data_type": Enum(TRITON_DTYPES[s.dtype]), "dims": dims(s.shape)} for s in specs]
+        return [{"name": s.name, "data_type": PbEnum(TRITON_DTYPES[s.dtype]), "dims": dims(s.shape)} for s in specs]
 
     return {
         "name": name,
@@ -138,36 +138,31 @@ def plan_model_config(name: str, spec: GraphSpec, instances: int) -> dict:
         "max_batch_size": 0,
         "input": tensors(spec.inputs),
         "output": tensors(spec.outputs),
-        "instance_group": [{"count": instances, "kind": Enum("KIND_GPU")}],
+        "instance_group": [{"count": instances, "kind": PbEnum("KIND_GPU")}],
         "model_warmup": [{
             "name": "zeros_at_opt_shape",
             "batch_size": 1,
-            "inputs": [{"key": s.name, "value": {"data_type": Enum(TRITON_DTYPES[s.dtype]), "dims": dims(s.shape, 1),
+            "inputs": [{"key": s.name, "value": {"data_type": PbEnum(TRITON_DTYPES[s.dtype]), "dims": dims(s.shape, 1),
                                                  "zero_data": True}} for s in spec.inputs],
         }],
     }
 
 
 def python_model_config(backend: str, instances: int) -> dict:
-    def tensors(specs, with_optional):
-        out = []
-        for s in specs:
-            t = {"name": s.name, "data_type": Enum(TRITON_DTYPES[s.dtype]), "dims": list(s.dims)}
-            if with_optional and s.optional:
-                t["optional"] = True
-            out.append(t)
-        return out
+    def tensors(specs):
+        return [{"name": s.name, "data_type": PbEnum(TRITON_DTYPES[s.dtype]), "dims": list(s.dims),
+                 **({"optional": True} if s.optional else {})} for s in specs]
 
     return {
         "name": MODEL_NAME,
         "backend": "python",
         "max_batch_size": 1,
         "model_transaction_policy": {"decoupled": True},
-        "input": tensors(SERVING_INPUTS, True),
-        "output": tensors(SERVING_OUTPUTS, False),
+        "input": tensors(SERVING_INPUTS),
+        "output": tensors(SERVING_OUTPUTS),
         # One generation at a time per instance (each holds its own caches); more instances serve
         # requests side by side at the cost of one copy of the model each.
-        "instance_group": [{"count": instances, "kind": Enum("KIND_GPU" if backend == "tensorrt" else "KIND_CPU")}],
+        "instance_group": [{"count": instances, "kind": PbEnum("KIND_GPU" if backend == "tensorrt" else "KIND_CPU")}],
         "parameters": [_param("backend", backend), _param("artifact", ARTIFACT_SUBDIR),
                        _param("verify_checksums", "true")],
     }
