@@ -278,6 +278,21 @@ def test_service_rejects_bad_requests(service, what, inputs, message):
     assert sent == []
 
 
+@needs_server
+@pytest.mark.parametrize("server,protocol,message", [
+    ("nohost", "grpc", "--server 'nohost' must be HOST:PORT"),
+    ("127.0.0.1:{port}", "grpc", "failed to connect"),
+    ("127.0.0.1:{port}", "http", "cannot reach 127.0.0.1:"),
+])
+def test_run_cli_server_errors_are_one_line(server, protocol, message):
+    from treeflash_runtime.local_server import free_port
+
+    r = CliRunner().invoke(run_main, ["--server", server.format(port=free_port()), "--server-protocol", protocol,
+                                      "--prompt", "hi"])
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and r.stdout == ""
+
+
 # ---------------------------------------------------------------- a real tritonserver
 
 
@@ -310,6 +325,8 @@ def test_grpc_stream_and_http_equal_in_process_output(server, reference):
         assert len(r.arrivals) == ref["rounds"] + 2  # streamed: a response per round
         h = generate_http(server.http, _inputs(prompt, NEW, stream=False))
         assert h.token_ids == ref["token_ids"] and h.text == ref["text"] and h.rounds == ref["rounds"]
+        one = stream_grpc(server.grpc, _inputs(prompt, NEW, stream=False))  # stream false: one response
+        assert len(one.arrivals) == 1 and one.token_ids == ref["token_ids"] and one.text == ref["text"]
 
 
 @pytest.mark.tritonserver
