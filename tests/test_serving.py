@@ -262,6 +262,8 @@ BAD_REQUESTS = [
      "input 'max_tokens' must be int32, got float32"),
     ("two prompts", {"text_input": np.array([[b"a", b"b"]], object), "max_tokens": np.array([[4]], np.int32)},
      "must hold one value"),
+    ("empty prompt", {"text_input": np.array([[b""]], object), "max_tokens": np.array([[4]], np.int32)},
+     "text_input is empty"),
     ("negative temperature", {"text_input": np.array([[b"hi"]], object), "max_tokens": np.array([[4]], np.int32),
                               "temperature": np.array([[-1.0]], np.float32)}, "temperature must be >= 0"),
 ]
