@@ -71,13 +71,22 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--repeat", type=int, default=1, help="Timed repetitions per prompt (after one warm-up).")
 @click.option("--device", default="auto")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option("--server", default=None, metavar="HOST:PORT",
+              help="Instead: time to first token and inter-token latency in process (ONNX Runtime over "
+                   "--artifacts) vs through this Triton server's treeflash model (serving the same artifact).")
+@click.option("--concurrency", type=int, default=8, help="With --server: concurrent streams of the load row.")
+@click.option("--requests", type=int, default=16, help="With --server: distinct prompts per row.")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
-         prompt_tokens, max_new_tokens, max_seq_len, repeat, device, as_json):
+         prompt_tokens, max_new_tokens, max_seq_len, repeat, device, as_json, server, concurrency, requests):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
     Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
-    demo drafter).
+    demo drafter). With --server and --artifacts, it benchmarks serving instead.
     """
+    if server is not None:
+        _serving_main(artifacts, server, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens, concurrency,
+                      requests, as_json)
+        return
     try:
         source = ("heldout", heldout_prompts, prompt_tokens) if heldout_prompts else list(prompts) or list(DEFAULT_PROMPTS)
         report = run_bench(artifacts, model, drafter, _split(backends), modes,
@@ -90,6 +99,20 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
         sys.stdout.write(json.dumps(report) + "\n")
     else:
         click.echo(format_report(report))
+
+
+def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, requests, as_json):
+    from .serve_bench import format_serving_report, run_serving_bench
+
+    try:
+        if not artifacts:
+            raise TreeFlashError("--server needs --artifacts: the artifact folder the server serves, run in process "
+                                 "for the side-by-side rows")
+        report = run_serving_bench(artifacts, server, prompts, max_new_tokens, concurrency, requests)
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else format_serving_report(report))
 
 
 def _prompt_ids(source, tokenizer) -> list[list[int]]:

@@ -18,18 +18,15 @@ class _Streamer:
     """Prints decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
 
     def __init__(self, tokenizer, stream):
-        self.tokenizer, self.stream = tokenizer, stream
-        self.tokens: list[int] = []
-        self.printed = 0
+        from .serving import IncrementalText
+
+        self.text, self.stream = IncrementalText(tokenizer), stream
 
     def __call__(self, new: list[int]) -> None:
-        self.tokens.extend(new)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.stream.write(text[self.printed:])
-        self.stream.flush()
-        self.printed = len(text)
+        piece = self.text.add(new)
+        if piece:
+            self.stream.write(piece)
+            self.stream.flush()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -73,8 +70,14 @@ class _Streamer:
               help="auto = float32 on CPU, bfloat16 on CUDA.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object (text and statistics) "
               "on stdout instead of streaming.")
+@click.option("--server", default=None, metavar="HOST:PORT",
+              help="Generate on a running Triton server's treeflash model instead of in process "
+                   "(see treeflash-export triton-repo); the model, tree and cache are the server's.")
+@click.option("--server-protocol", type=click.Choice(["grpc", "http"]), default="grpc",
+              help="grpc: streamed as rounds are accepted; http: one response (Triton's generate endpoint).")
 def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k, drafter_temperature, temperature, top_p,
-         max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len, backend, device, dtype, as_json):
+         max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len, backend, device, dtype, as_json, server,
+         server_protocol):
     """Generate text from a verifier with TreeFlash tree speculative decoding.
 
     Greedy output (--temperature 0) is token for token the verifier's own greedy
@@ -89,10 +92,21 @@ def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
 
 def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
          drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
-         backend, device, dtype, as_json):
+         backend, device, dtype, as_json, server, server_protocol):
     requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
                      drafter_temperature=drafter_temperature)
     SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed).validate()
+    if server is not None:
+        local = dict(model=model, drafter=drafter, artifacts=artifacts, chat=chat, max_seq_len=max_seq_len,
+                     **requested, backend=backend != "torch", device=device != "auto", dtype=dtype != "auto")
+        given = [k for k, v in local.items() if v]
+        if given:
+            raise TreeFlashError(f"--server runs the server's model: --{given[0].replace('_', '-')} does not apply")
+        if len(stop_token_ids) > 1:
+            raise TreeFlashError("--server takes one --stop-token-id (the request's end_id)")
+        end_id = stop_token_ids[0] if stop_token_ids else (-1 if ignore_eos else None)
+        return _run_server(server, server_protocol, _read_prompt(prompt), max_new_tokens, temperature, top_p, seed,
+                           end_id, as_json)
     if artifacts is None:
         if not model and drafter:
             raise TreeFlashError("--drafter needs --model (the verifier it was trained for)")
@@ -103,12 +117,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         raise TreeFlashError("--artifacts replaces --model and --drafter: pass one or the other")
     if max_seq_len is not None and max_seq_len < 2:
         raise TreeFlashError(f"--max-seq-len {max_seq_len} is too small")
-    if prompt is None:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise TreeFlashError("no prompt: pass --prompt TEXT or pipe text on standard input")
-        prompt = sys.stdin.read()
-    if not prompt:
-        raise TreeFlashError("the prompt is empty")
+    prompt = _read_prompt(prompt)
 
     from transformers.utils import logging as hf_logging
 
@@ -154,12 +163,48 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         }
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
-        sys.stdout.write("\n")
+        sys.stdout.write(streamer.text.flush() + "\n")  # the held-back end, if generation stopped mid-character
         click.echo(
             f"[{s.mode}/{s.backend}] {s.new_tokens} tokens in {s.rounds} rounds, "
             f"{s.mean_accepted:.2f} tokens/round, {s.tokens_per_s:.1f} tok/s ({result.stop_reason})",
             err=True,
         )
+
+
+def _read_prompt(prompt: str | None) -> str:
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise TreeFlashError("no prompt: pass --prompt TEXT or pipe text on standard input")
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise TreeFlashError("the prompt is empty")
+    return prompt
+
+
+def _run_server(server, protocol, prompt, max_new_tokens, temperature, top_p, seed, end_id, as_json):
+    from .client import generate_http, request_inputs, stream_grpc
+
+    def write(piece):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    inputs = request_inputs(prompt, max_new_tokens, stream=protocol == "grpc", temperature=temperature, top_p=top_p,
+                            random_seed=seed, end_id=end_id)
+    if protocol == "grpc":
+        r = stream_grpc(server, inputs, on_text=None if as_json else write)
+    else:
+        r = generate_http(server, inputs)
+        if not as_json:
+            write(r.text)
+    if as_json:
+        payload = dict(r.to_dict(), server=server, protocol=protocol, temperature=temperature, top_p=top_p, seed=seed,
+                       tokens_per_s=r.new_tokens / r.elapsed_s if r.elapsed_s else 0.0)
+        sys.stdout.write(json.dumps(payload) + "\n")
+    else:
+        sys.stdout.write("\n")
+        click.echo(f"[server {server}] {r.new_tokens} tokens in {r.rounds} rounds, {r.mean_accepted:.2f} tokens/round, "
+                   f"first response after {r.ttft_s * 1000:.0f} ms, {r.elapsed_s:.2f} s in all ({r.stop_reason})",
+                   err=True)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class GenerationStats:
 class GenerationResult:
     token_ids: list[int]  # new tokens only
     stats: GenerationStats
-    stop_reason: str  # "stop_token" | "max_new_tokens"
+    stop_reason: str  # "stop_token" | "max_new_tokens" | "stopped" (on_tokens returned True)
 
 
 def required_capacity(prompt_len: int, max_new_tokens: int, tree_size: int) -> int:
@@ -100,8 +100,9 @@ class _Emitter:
                 self.reason = "max_new_tokens"
                 break
         self.tokens.extend(take)
-        if self.on_tokens is not None and take:
-            self.on_tokens(take)
+        # A callback that returns True ends generation after these tokens (stop words, cancelled streams).
+        if self.on_tokens is not None and take and self.on_tokens(take) and not self.reason:
+            self.reason = "stopped"
         return bool(self.reason)
 
 
@@ -110,7 +111,7 @@ def generate(
     prompt_ids: list[int] | torch.Tensor,
     tree: TreeConfig,
     sampling: SamplingConfig,
-    on_tokens: Callable[[list[int]], None] | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> GenerationResult:
     """Speculative (or, with mode 'ar', plain) generation over one runner."""
     sampling.validate()

@@ -156,5 +156,29 @@ def tiny_pair(out, family, layout, block_size, seed):
     click.echo(str(out))
 
 
+@main.command("triton-repo")
+@click.argument("artifact_dir", type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Model repository folder to write.")
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
+              help="What the treeflash model runs the loop on. auto: tensorrt for artifacts built with "
+                   "--target tensorrt, else onnxruntime (CPU).")
+@click.option("--instances", type=int, default=1,
+              help="Instances per model (each serves one generation at a time and holds its own caches).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (swapped in only when writing succeeds).")
+def triton_repo_cmd(artifact_dir, out, backend, instances, force):
+    """Write a Triton Inference Server model repository for ARTIFACT_DIR: a decoupled `treeflash`
+    model that streams generations (TensorRT-LLM's request names), and one tensorrt_plan model per
+    engine for TensorRT artifacts. Checks the artifact's checksums first."""
+    from .triton_repo import write_triton_repo
+
+    try:
+        path = write_triton_repo(artifact_dir, out, backend=backend, instances=instances, force=force,
+                                 log=lambda m: click.echo(m, err=True))
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(str(path))
+
+
 if __name__ == "__main__":
     main()
