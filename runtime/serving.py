@@ -22,7 +22,6 @@ from .factory import Session, session_from_artifacts
 from .loop import generate, required_capacity
 
 
-
 class RequestError(TreeFlashError):
     """A request the model cannot serve; the message names the input and what is allowed."""
 
