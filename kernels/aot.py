@@ -35,28 +35,6 @@ KERNELS = {
 }
 
 
-def constexprs(name: str, dtype: str, *, hidden: int, head_eps: float = 1e-6, norm_eps: float = 1e-6,
-               tiles: GemmTiles = DEFAULT_TILES) -> dict:
-    import torch
-
-    prec = mk.dot_precision(getattr(torch, dtype))
-    gemm = {"PRECISION": prec, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
-    block_h = mk._pow2(hidden)
-    return {
-        "expand_prologue": {"HEAD_EPS": head_eps, "NORM_EPS": norm_eps, "BLOCK_H": block_h},
-        "swiglu_gemm": gemm,
-        "down_residual": gemm,
-        "rms_norm": {"EPS": norm_eps, "BLOCK_H": block_h},
-    }[name]
-
-
-def num_warps(name: str, hidden: int, tiles: GemmTiles = DEFAULT_TILES) -> tuple[int, int]:
-    """(num_warps, num_stages) the launcher in mlp_expand uses for this kernel."""
-    if name in ("swiglu_gemm", "down_residual"):
-        return tiles.num_warps, tiles.num_stages
-    return mk.row_warps(hidden), 1
-
-
 @dataclass(frozen=True)
 class CompiledKernel:
     name: str  # the kernel's entry symbol in the PTX
@@ -86,6 +64,7 @@ def compile_kernel(name: str, dtype: str, *, hidden: int, arch: int = 90, head_e
 
 
 def _compile(name, dtype, hidden, arch, head_eps, norm_eps, tiles) -> CompiledKernel:
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -94,11 +73,11 @@ def _compile(name, dtype, hidden, arch, head_eps, norm_eps, tiles) -> CompiledKe
     attr, args = KERNELS[name]
     t = TRITON_DTYPES[dtype]
     types = {"T": f"*{t}", "F32": "*fp32", "I64": "*i64", "i32": "i32"}
-    consts = constexprs(name, dtype, hidden=hidden, head_eps=head_eps, norm_eps=norm_eps, tiles=tiles)
+    consts, options = mk.launch_meta(name, getattr(torch, dtype), hidden, tiles=tiles, head_eps=head_eps,
+                                     norm_eps=norm_eps)
     signature = {a: types[k] for a, k in args} | {c: "constexpr" for c in consts}
-    warps, stages = num_warps(name, hidden, tiles)
     src = ASTSource(fn=getattr(mk, attr), signature=signature, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     return CompiledKernel(k.metadata.name, k.asm["ptx"], k.metadata.num_warps, k.metadata.shared, arch)
 
 

@@ -69,7 +69,8 @@ def measure_bandwidth(device: torch.device, nbytes: int, repeat: int) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def make_problem(B, M, H, I, V, dtype, device, seed=0):
+def make_problem(B, M, H, I, V, dtype, device, seed=0, norm_eps=1e-6):
+    """Random inputs of mlp_expand in its argument order, weights scaled like trained ones."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def r(*shape, scale=1.0, shift=0.0):
@@ -77,7 +78,7 @@ def make_problem(B, M, H, I, V, dtype, device, seed=0):
 
     ids = torch.randint(0, V, (B - 1, M), generator=g).to(device)
     return (r(B, H, scale=3.0), ids, r(V, H), r(H, scale=0.1, shift=1.0), r(2 * I, 2 * H, scale=H ** -0.5),
-            r(2 * I, scale=0.02), r(H, I, scale=I ** -0.5), r(H, scale=0.1, shift=1.0), 1e-6, 1e-6)
+            r(2 * I, scale=0.02), r(H, I, scale=I ** -0.5), r(H, scale=0.1, shift=1.0), 1e-6, norm_eps)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

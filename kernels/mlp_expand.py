@@ -180,18 +180,27 @@ class GemmTiles:
 DEFAULT_TILES = GemmTiles()
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs multiply in full precision (TF32 would break fp32 parity); 16-bit ones natively."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def row_warps(hidden: int) -> int:
-    """Warps of the row-wise kernels (one program holds a whole row of H)."""
-    return 4 if _pow2(hidden) <= 2048 else 8
+def launch_meta(kernel: str, dtype: torch.dtype, hidden: int, *, tiles: GemmTiles = DEFAULT_TILES,
+                head_eps: float = 1e-6, norm_eps: float = 1e-6) -> tuple[dict, dict]:
+    """(constexpr arguments, launch options) of one kernel: the single source for the launchers
+    below and for ahead-of-time compilation (treeflash_kernels.aot, the TensorRT plugins)."""
+    if kernel in ("swiglu_gemm", "down_residual"):
+        # float32 inputs multiply in full precision (TF32 would break fp32 parity); 16-bit ones natively.
+        consts = {"PRECISION": "ieee" if dtype == torch.float32 else "tf32", "BLOCK_M": tiles.block_m,
+                  "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k}
+        return consts, {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    # Row-wise kernels: one program holds a whole row of H.
+    block_h = _pow2(hidden)
+    options = {"num_warps": 4 if block_h <= 2048 else 8, "num_stages": 1}
+    if kernel == "expand_prologue":
+        return {"HEAD_EPS": head_eps, "NORM_EPS": norm_eps, "BLOCK_H": block_h}, options
+    if kernel == "rms_norm":
+        return {"EPS": norm_eps, "BLOCK_H": block_h}, options
+    raise KeyError(kernel)
 
 
 # Stage references: what each kernel computes, in plain PyTorch (float32 where the kernel keeps float32).
@@ -226,9 +235,9 @@ def expand_prologue(z, parent_ids, embed_weight, head_norm_weight, norm_weight, 
     (Bm1, M), H = parent_ids.shape, z.shape[1]
     R = Bm1 * M
     x = torch.empty(R, 2 * H, device=z.device, dtype=z.dtype)
+    consts, options = launch_meta("expand_prologue", z.dtype, H, head_eps=head_eps, norm_eps=norm_eps)
     expand_prologue_kernel[(R,)](z.contiguous(), parent_ids.reshape(-1).contiguous(), embed_weight,
-                                 head_norm_weight, norm_weight, R, M, H, x, HEAD_EPS=head_eps, NORM_EPS=norm_eps,
-                                 BLOCK_H=_pow2(H), num_warps=row_warps(H))
+                                 head_norm_weight, norm_weight, R, M, H, x, **consts, **options)
     return x
 
 
@@ -237,9 +246,8 @@ def swiglu_gemm(x, ug_weight, ug_bias, tiles: GemmTiles = DEFAULT_TILES):
     (R, K), I, t = x.shape, ug_weight.shape[0] // 2, tiles
     act = torch.empty(R, I, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(R, t.block_m), triton.cdiv(I, t.block_n))
-    swiglu_gemm_kernel[grid](x, ug_weight, ug_bias, R, I, K, act, PRECISION=dot_precision(x.dtype),
-                             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
-                             num_stages=t.num_stages)
+    consts, options = launch_meta("swiglu_gemm", x.dtype, K // 2, tiles=t)
+    swiglu_gemm_kernel[grid](x, ug_weight, ug_bias, R, I, K, act, **consts, **options)
     return act
 
 
@@ -248,9 +256,8 @@ def down_residual(act, d_weight, z, top_m: int, tiles: GemmTiles = DEFAULT_TILES
     (R, I), H, t = act.shape, d_weight.shape[0], tiles
     y = torch.empty(R, H, device=act.device, dtype=torch.float32)
     grid = (triton.cdiv(R, t.block_m), triton.cdiv(H, t.block_n))
-    down_residual_kernel[grid](act, d_weight, z.contiguous(), R, H, I, top_m, y, PRECISION=dot_precision(act.dtype),
-                               BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
-                               num_stages=t.num_stages)
+    consts, options = launch_meta("down_residual", act.dtype, H, tiles=t)
+    down_residual_kernel[grid](act, d_weight, z.contiguous(), R, H, I, top_m, y, **consts, **options)
     return y
 
 
@@ -259,7 +266,8 @@ def rms_norm_rows(y, weight, eps: float):
     _need_triton()
     R, H = y.shape
     out = torch.empty(R, H, device=y.device, dtype=weight.dtype)
-    rms_norm_kernel[(R,)](y, weight, R, H, out, EPS=eps, BLOCK_H=_pow2(H), num_warps=row_warps(H))
+    consts, options = launch_meta("rms_norm", weight.dtype, H, norm_eps=eps)
+    rms_norm_kernel[(R,)](y, weight, R, H, out, **consts, **options)
     return out
 
 

@@ -75,9 +75,9 @@ class _Streamer:
                    "(see treeflash-export triton-repo); the model, tree and cache are the server's.")
 @click.option("--server-protocol", type=click.Choice(["grpc", "http"]), default="grpc",
               help="grpc: streamed as rounds are accepted; http: one response (Triton's generate endpoint).")
-def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k, drafter_temperature, temperature, top_p,
-         max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len, backend, device, dtype, as_json, server,
-         server_protocol):
+def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
+         drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
+         backend, device, dtype, as_json, server, server_protocol):
     """Generate text from a verifier with TreeFlash tree speculative decoding.
 
     Greedy output (--temperature 0) is token for token the verifier's own greedy

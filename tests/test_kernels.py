@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from treeflash_kernels import mlp_expand as mk
+from treeflash_kernels.bench import make_problem
 
 needs_triton = pytest.mark.skipif(mk.triton is None, reason="triton is not installed (pip install triton)")
 
@@ -15,14 +16,8 @@ SHAPES = [(4, 3, 40, 24, 50), (2, 1, 16, 16, 20), (5, 4, 64, 48, 30), (3, 1, 24,
 
 
 def make_inputs(B, M, H, I, V, dtype=torch.float32, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=g) * scale + shift).to(device=device, dtype=dtype)
-
-    ids = torch.randint(0, V, (B - 1, M), generator=g).to(device)
-    return (r(B, H, scale=3.0), ids, r(V, H), r(H, scale=0.2, shift=1.0), r(2 * I, 2 * H, scale=0.3), r(2 * I, scale=0.1),
-            r(H, I, scale=0.3), r(H, scale=0.2, shift=1.0), 1e-6, 1e-5)
+    """The benchmark's inputs, with the two norms' epsilons told apart."""
+    return make_problem(B, M, H, I, V, dtype, device, seed, norm_eps=1e-5)
 
 
 def module_composition(z, ids, E, head_w, ug_w, ug_b, d_w, norm_w, head_eps, norm_eps):
