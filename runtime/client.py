@@ -104,10 +104,23 @@ def stream_grpc(server: str, inputs: dict, *, model: str = MODEL_NAME, timeout: 
                 return ServerResult("".join(pieces), ids, *_stats(result.as_numpy), ttft_s=arrivals[0][0],
                                     elapsed_s=at - t0, arrivals=arrivals)
     except InferenceServerException as exc:
-        raise ServerError(_message(exc)) from None
+        # A broken stream says only that it is broken; the cause (e.g. a failed connection) went to the callback.
+        raise ServerError(_message(_callback_error(replies) or exc)) from None
     finally:
         client.stop_stream()
         client.close()
+
+
+def _callback_error(replies: queue.Queue, wait: float = 2.0):
+    """The first error the stream's callback received within ``wait`` seconds, or None."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            _, _, error = replies.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if error is not None:
+            return error
 
 
 def generate_http(server: str, inputs: dict, *, model: str = MODEL_NAME, timeout: float = 300.0) -> ServerResult:
