@@ -32,7 +32,7 @@ def test_loss_falls_and_drafter_loads_in_released_layout(trained):
 
     info = json.loads((out / "training.json").read_text())
     hist = info["history"]
-    assert [h["step"] for h in hist] == [10, 20, 30, 40]
+    assert [h["step"] for h in hist] == [0, 10, 20, 30, 40]  # step 0: the untrained drafter
     assert hist[-1]["marginal_loss"] < hist[0]["marginal_loss"] - 0.3
     assert hist[-1]["conditional_loss"] < hist[0]["conditional_loss"] - 0.3
     model, cfg, layout = load_drafter(out, dtype=torch.float32, device="cpu")
@@ -108,3 +108,48 @@ def test_block_loss_is_finite_and_uses_the_head(load):
     assert torch.isfinite(lm) and torch.isfinite(lc) and float(lm) != float(lc)
     (lm + lc).backward()
     assert d.ar_approximation.ug.weight.grad.abs().sum() > 0
+
+
+def test_many_anchors_in_one_call_equal_one_call_per_anchor(load):
+    """The block mask lets each block see only the context before its anchor and itself: the
+    losses and accuracies of one call over several anchors are the means of per-anchor calls."""
+    pair = load("qwen3")
+    d = TreeFlashDrafter(DrafterConfig.from_hf(pair.drafter_cfg.hf_config))
+    d.load_state_dict(pair.drafter.state_dict())
+    with torch.no_grad():
+        d.ar_approximation.d.weight.normal_(0, 0.05)  # a trained head, so the conditional differs
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 500, (3, 30), generator=g)
+    feats = torch.randn(3, 30, len(pair.drafter_cfg.target_layer_ids) * pair.drafter_cfg.hidden_size, generator=g)
+    args = (pair.verifier.model.embed_tokens, pair.verifier.lm_head)
+    B, mask = pair.drafter_cfg.block_size, pair.drafter_cfg.mask_token_id
+    anchors = [21, 4, 13, 5]  # unsorted, overlapping blocks
+    with torch.no_grad():
+        lm, lc, acc = block_loss(d, *args, tokens, feats, anchors, B, 4.0, mask)
+        singles = [block_loss(d, *args, tokens, feats, a, B, 4.0, mask) for a in anchors]
+    assert abs(float(lm) - sum(float(s[0]) for s in singles) / 4) < 1e-5
+    assert abs(float(lc) - sum(float(s[1]) for s in singles) / 4) < 1e-5
+    for key in ("marginal", "conditional"):
+        assert torch.allclose(acc[key], sum(s[2][key] for s in singles) / 4, atol=1e-6)
+
+
+def test_generated_data_equals_generate_then_one_full_pass(load):
+    """Taps kept step by step during cached greedy decoding equal those of one pass over the
+    finished sequences, and the tokens are transformers' greedy continuation."""
+    from transformers import GenerationConfig
+
+    from treeflash_export.train import generate_data
+
+    pair = load("qwen3")
+    v, taps = pair.verifier, pair.drafter_cfg.target_layer_ids
+    prompts = [[5, 9, 3, 77, 12, 40], [8, 8, 100, 2, 31, 6], [1, 2, 3, 4, 5, 6]]
+    data = generate_data(v, prompts, taps, new_tokens=10, batch=2)
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        seq = v.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=10, eos_token_id=[], pad_token_id=0))
+        full = v(seq, output_hidden_states=True).hidden_states
+    ref = torch.cat([full[t + 1] for t in taps], dim=-1)
+    assert torch.equal(data["tokens"], seq.to(torch.int32))
+    assert data["features"].dtype == torch.float16 and data["features"].shape == ref.shape
+    assert torch.allclose(data["features"].float(), ref.half().float(), atol=2e-3, rtol=2e-3)

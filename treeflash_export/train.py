@@ -6,7 +6,8 @@ generated in batches once and cached together with the tapped hidden states the
 drafter reads. Files are split into training and held-out sets (every tenth file
 is held out), so held-out prompts never come from a training file.
 
-Loss: per random anchor a, the block [x_a, MASK x (B-1)] must predict
+Loss: for random anchors a (several per sequence, trained in one call under DFlash's block
+mask), the block [x_a, MASK x (B-1)] must predict
 x_{a+1..a+B-1}: cross-entropy of the marginal logits plus cross-entropy of the
 head's conditional logits given the true previous token, with position-decay
 weights exp(-(k-1)/gamma). Backbone and head train jointly; the head's down
@@ -41,13 +42,14 @@ class TrainConfig:
     draft_layers: int = 1
     intermediate_size: int | None = None  # None = the verifier's (lets layers start from the verifier's)
     num_taps: int = 3  # tapped verifier layers (target_layer_ids spread over the verifier)
-    train_prompts: int = 384
+    train_prompts: int = 768
     heldout_prompts: int = 48
     prompt_tokens: int = 48
-    continuation_tokens: int = 64
-    gen_batch: int = 64
+    continuation_tokens: int = 256
+    gen_batch: int = 128
     steps: int = 2000
     batch_size: int = 8
+    anchors: int = 16  # random anchors per sequence per step, all trained in one drafter call
     lr: float = 1e-3
     warmup: int = 100
     decay_gamma: float = 4.0
@@ -60,7 +62,7 @@ class TrainConfig:
             raise ConfigError("--block-size must be >= 2")
         if self.continuation_tokens < self.block_size + 1:
             raise ConfigError("--continuation-tokens must exceed the block size")
-        for name in ("steps", "batch_size", "train_prompts", "heldout_prompts", "eval_every", "save_every"):
+        for name in ("steps", "batch_size", "anchors", "train_prompts", "heldout_prompts", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -102,22 +104,41 @@ def sample_prompts(files: list[Path], tokenizer, count: int, length: int, rng: r
     return prompts
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_tokens: int, batch: int,
                   progress: Callable | None = None) -> dict[str, torch.Tensor]:
-    """Greedy continuations (no EOS stop) and the tapped hidden states of every position."""
-    from transformers import GenerationConfig
+    """Greedy continuations (no EOS stop) and the tapped hidden states of every position.
 
-    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
+    One pass per batch: the prompt's prefill, then one cached step per new token, keeping
+    the taps of each step (no second pass over the finished sequences). `progress(done,
+    total)` counts generated tokens."""
     tokens, feats = [], []
+    from transformers import StaticCache
+
+    total, done = len(prompts) * new_tokens, 0
+
+    def taps(out):
+        return torch.cat([out.hidden_states[t + 1] for t in tap_ids], dim=-1).to(torch.float16)
+
     for i in range(0, len(prompts), batch):
         ids = torch.tensor(prompts[i : i + batch])
-        seq = verifier.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
-        out = verifier(seq, output_hidden_states=True)
-        tokens.append(seq.to(torch.int32))
-        feats.append(torch.cat([out.hidden_states[t + 1] for t in tap_ids], dim=-1).to(torch.float16))
-        if progress:
-            progress(min(i + batch, len(prompts)), len(prompts))
+        length = ids.shape[1]
+        # A preallocated cache: a growing one is copied whole at every step.
+        cache = StaticCache(config=verifier.config, max_cache_len=length + new_tokens)
+        out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                       cache_position=torch.arange(length))
+        seq, feat = [ids], [taps(out)]
+        for pos in range(length, length + new_tokens):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            seq.append(nxt)
+            out = verifier(nxt, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                           cache_position=torch.tensor([pos]))
+            feat.append(taps(out))
+            done += len(ids)
+            if progress:
+                progress(done, total)
+        tokens.append(torch.cat(seq, dim=1).to(torch.int32))
+        feats.append(torch.cat(feat, dim=1))
     return {"tokens": torch.cat(tokens), "features": torch.cat(feats)}
 
 
@@ -174,33 +195,43 @@ def init_drafter(hf_cfg, seed: int, verifier=None):
     return model
 
 
-def block_loss(drafter, embed, lm_head, tokens, feats, anchor: int, block: int, gamma: float, mask_id: int):
-    """Mean weighted CE of marginal and conditional logits for one anchor shared by the batch.
+def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamma: float, mask_id: int):
+    """Mean weighted CE of marginal and conditional logits over several anchors in one call.
 
-    tokens [b, L] int64, feats [b, L, F]; the context is positions 0..anchor-1, the block root is
-    x[anchor] at position anchor, the targets x[anchor+1 .. anchor+B-1]."""
-    b = tokens.shape[0]
-    dev = tokens.device
-    root = tokens[:, anchor]
-    block_ids = torch.full((b, block), mask_id, dtype=torch.long, device=dev)
-    block_ids[:, 0] = root
-    z, _ = drafter.model(feats[:, :anchor], torch.arange(anchor, device=dev), embed(block_ids),
-                         torch.arange(anchor, anchor + block, device=dev), None, 0)
-    targets = tokens[:, anchor + 1 : anchor + block]  # [b, B-1]
+    tokens [b, L] int64, feats [b, L, F]; anchors: an int or a list of them, shared by the batch.
+    For anchor a the context is positions 0..a-1, the block root is x[a] at position a, and the
+    targets are x[a+1 .. a+B-1]. All blocks go through the drafter at once: each block sees the
+    context before its own anchor and its own B positions, nothing else (DFlash's training
+    mask), so the result equals the mean of one call per anchor."""
+    b, dev = tokens.shape[0], tokens.device
+    anchors = torch.as_tensor([anchors] if isinstance(anchors, int) else list(anchors), device=dev)
+    n, ctx_len = anchors.numel(), int(anchors.max())
+    offs = torch.arange(block, device=dev)
+    where = anchors[:, None] + offs  # [n, B] positions of each block
+    block_ids = torch.full((b, n, block), mask_id, dtype=torch.long, device=dev)
+    block_ids[:, :, 0] = tokens[:, anchors]
+    ctx_mask = (torch.arange(ctx_len, device=dev)[None] < anchors[:, None]).repeat_interleave(block, 0)
+    same_block = offs.new_tensor(range(n)).repeat_interleave(block)
+    key_mask = torch.cat([ctx_mask, same_block[:, None] == same_block[None]], dim=1)
+    z, _ = drafter.model(feats[:, :ctx_len], torch.arange(ctx_len, device=dev), embed(block_ids.flatten(1)),
+                         where.flatten(), None, 0, key_mask=key_mask)
+    z = z.unflatten(1, (n, block))[:, :, 1:]  # [b, n, B-1, H]
+    targets = tokens[:, where[:, 1:]]  # [b, n, B-1]
     norm = drafter.model.norm
-    h = norm(z[:, 1:])
+    h = norm(z)
     w = torch.exp(-torch.arange(block - 1, dtype=torch.float32, device=dev) / gamma)
-    w = (w / w.sum())[None, :]
+    w = w / w.sum()
     marg = lm_head(h).float()
-    parents = embed(tokens[:, anchor : anchor + block - 1])  # the true previous token of each position
-    cond = lm_head(norm(z[:, 1:] + drafter.ar_approximation(parents, h))).float()
+    parents = embed(tokens[:, where[:, :-1]])  # the true previous token of each position
+    cond = lm_head(norm(z + drafter.ar_approximation(parents, h))).float()
 
     def wce(logits):
-        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(b, -1)
+        ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view(targets.shape)
         return (ce * w).sum(-1).mean()
 
     with torch.no_grad():
-        acc = {"marginal": (marg.argmax(-1) == targets).float().mean(0), "conditional": (cond.argmax(-1) == targets).float().mean(0)}
+        acc = {"marginal": (marg.argmax(-1) == targets).float().mean((0, 1)),
+               "conditional": (cond.argmax(-1) == targets).float().mean((0, 1))}
     return wce(marg), wce(cond), acc
 
 
@@ -223,24 +254,51 @@ def _atomic_save(obj, path: Path) -> None:
 
 
 def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> dict:
-    """Held-out loss and per-position top-1 accuracy over fixed anchors."""
+    """Held-out loss and per-position top-1 accuracy over fixed anchors (up to 8, evenly spread)."""
     tokens, feats = data["tokens"].long(), data["features"].float()
-    first = cfg.prompt_tokens
-    last = tokens.shape[1] - cfg.block_size
-    anchors = list(range(first, last + 1, max(1, (last - first) // 4)))
+    first, last = cfg.prompt_tokens, tokens.shape[1] - cfg.block_size
+    anchors = sorted({round(first + i * (last - first) / 7) for i in range(8)})
+    drafter.eval()
     totals = {"marginal_loss": 0.0, "conditional_loss": 0.0}
     acc_m = acc_c = 0
-    drafter.eval()
     with torch.no_grad():
-        for a in anchors:
-            lm, lc, acc = block_loss(drafter, embed, lm_head, tokens, feats, a, cfg.block_size, cfg.decay_gamma, mask_id)
-            totals["marginal_loss"] += float(lm) / len(anchors)
-            totals["conditional_loss"] += float(lc) / len(anchors)
-            acc_m = acc_m + acc["marginal"] / len(anchors)
-            acc_c = acc_c + acc["conditional"] / len(anchors)
+        for rows in torch.arange(len(tokens)).split(16):
+            lm, lc, acc = block_loss(drafter, embed, lm_head, tokens[rows], feats[rows], anchors, cfg.block_size,
+                                     cfg.decay_gamma, mask_id)
+            share = len(rows) / len(tokens)
+            totals["marginal_loss"] += float(lm) * share
+            totals["conditional_loss"] += float(lc) * share
+            acc_m = acc_m + acc["marginal"] * share
+            acc_c = acc_c + acc["conditional"] * share
     drafter.train()
     return {**totals, "marginal_acc": [round(float(x), 4) for x in acc_m],
             "conditional_acc": [round(float(x), 4) for x in acc_c]}
+
+
+def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: list[int], work: Path,
+                 log: Callable[[str], None] = print) -> dict:
+    """The training and held-out data, generated once and cached in `work` (keyed by every
+    setting that changes it)."""
+    from tqdm import tqdm
+
+    data_path = Path(work) / f"data-{cfg.data_key(verifier_key)}.pt"
+    if data_path.exists():
+        log(f"using cached data {data_path.name}")
+        return torch.load(data_path)
+    rng = random.Random(cfg.seed)
+    train_files, held_files = corpus_files()
+    data = {}
+    for split, files, count in (("train", train_files, cfg.train_prompts),
+                                ("heldout", held_files, cfg.heldout_prompts)):
+        prompts = sample_prompts(files, tok, count, cfg.prompt_tokens, rng)
+        bar = tqdm(total=count * cfg.continuation_tokens, desc=f"verifier continuations ({split})", unit="tok",
+                   leave=False)
+        data[split] = generate_data(verifier, prompts, tap_ids, cfg.continuation_tokens, cfg.gen_batch,
+                                    progress=lambda done, total, bar=bar: bar.update(done - bar.n))
+        bar.close()
+    _atomic_save(data, data_path)
+    log(f"generated {sum(d['tokens'].numel() for d in data.values())} tokens of data -> {data_path.name}")
+    return data
 
 
 def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = False, work: Path | None = None,
@@ -266,24 +324,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     tap_ids = default_target_layer_ids(int(vcfg.num_hidden_layers), cfg.num_taps)
     mask_id = int(vcfg.vocab_size) - 1 if tok.pad_token_id is None else int(tok.pad_token_id)
 
-    # Data, generated once and cached next to the checkpoints.
-    data_path = work / f"data-{cfg.data_key(str(vpath))}.pt"
-    if data_path.exists():
-        data = torch.load(data_path)
-        log(f"using cached data {data_path.name}")
-    else:
-        rng = random.Random(cfg.seed)
-        train_files, held_files = corpus_files()
-        data = {}
-        for split, files, count in (("train", train_files, cfg.train_prompts),
-                                    ("heldout", held_files, cfg.heldout_prompts)):
-            prompts = sample_prompts(files, tok, count, cfg.prompt_tokens, rng)
-            bar = tqdm(total=count, desc=f"verifier continuations ({split})", unit="prompt", leave=False)
-            data[split] = generate_data(verifier, prompts, tap_ids, cfg.continuation_tokens, cfg.gen_batch,
-                                        progress=lambda done, total, bar=bar: bar.update(done - bar.n))
-            bar.close()
-        _atomic_save(data, data_path)
-        log(f"generated {sum(d['tokens'].numel() for d in data.values())} tokens of data -> {data_path.name}")
+    data = prepare_data(verifier, tok, str(vpath), cfg, tap_ids, work, log)
 
     hf_cfg = make_drafter_config(vcfg, cfg, mask_id, tap_ids)
     drafter = init_drafter(hf_cfg, cfg.seed, verifier).train()
@@ -311,13 +352,17 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     tokens = data["train"]["tokens"].long()
     feats = data["train"]["features"]
     n_seq, L = tokens.shape
+    if step == 0:  # the untrained drafter, as the curve's starting point
+        history.append({"step": 0, "train_loss": None, **evaluate(drafter, embed, lm_head, data["heldout"], cfg,
+                                                                   mask_id)})
     bar = tqdm(total=cfg.steps, initial=step, desc="training", unit="step")
     while step < cfg.steps:
-        anchor = random.randint(cfg.prompt_tokens, L - cfg.block_size)
+        anchors = random.sample(range(cfg.prompt_tokens, L - cfg.block_size + 1),
+                                min(cfg.anchors, L - cfg.block_size + 1 - cfg.prompt_tokens))
         rows = torch.randint(0, n_seq, (cfg.batch_size,))
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        lm, lc, _ = block_loss(drafter, embed, lm_head, tokens[rows], feats[rows].float(), anchor, cfg.block_size,
+        lm, lc, _ = block_loss(drafter, embed, lm_head, tokens[rows], feats[rows].float(), anchors, cfg.block_size,
                                cfg.decay_gamma, mask_id)
         loss = lm + lc
         opt.zero_grad(set_to_none=True)
@@ -360,7 +405,9 @@ def plot_history(training_json: Path, png: Path) -> None:
     hist = json.loads(Path(training_json).read_text())["history"]
     steps = [h["step"] for h in hist]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-    ax.plot(steps, [h["train_loss"] / 2 for h in hist], label="train (mean of the two losses)", alpha=0.5)
+    trained = [h for h in hist if h["train_loss"] is not None]
+    ax.plot([h["step"] for h in trained], [h["train_loss"] / 2 for h in trained],
+            label="train (mean of the two losses)", alpha=0.5)
     ax.plot(steps, [h["marginal_loss"] for h in hist], label="held-out, marginal")
     ax.plot(steps, [h["conditional_loss"] for h in hist], label="held-out, TreeFlash head")
     ax.set_xlabel("step")

@@ -97,6 +97,7 @@ class DrafterBackbone(nn.Module):
                                      # None when the context starts at 0 (training, with a batch dim *)
         ctx_start,  # int (eager: cache sliced) or 0-d tensor (traced: slots >= ctx_start masked)
         ctx_count=None,  # traced only: 0-d tensor, valid rows of ctx_features (the rest is padding)
+        key_mask=None,  # training only (cache None): [B, c + B] bool, for several blocks in one call
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns z [B, H] (the residual stream after the last layer, pre-norm) and the new
         context K/V [L, 2, Hkv, c, D], which the caller writes to slots ctx_start..ctx_start+c-1."""
@@ -107,7 +108,8 @@ class DrafterBackbone(nn.Module):
         blk_rope = self._rope(block_embeds, block_positions)
         if cache is None:
             prefix = [None] * len(self.layers)
-            key_mask = torch.ones(B, c + B, dtype=torch.bool, device=dev)
+            if key_mask is None:
+                key_mask = torch.ones(B, c + B, dtype=torch.bool, device=dev)
         elif isinstance(ctx_start, int):
             prefix = cache[:, :, :, :ctx_start]
             key_mask = torch.ones(B, ctx_start + c + B, dtype=torch.bool, device=dev)
