@@ -153,3 +153,38 @@ def test_generated_data_equals_generate_then_one_full_pass(load):
     assert torch.equal(data["tokens"], seq.to(torch.int32))
     assert data["features"].dtype == torch.float16 and data["features"].shape == ref.shape
     assert torch.allclose(data["features"].float(), ref.half().float(), atol=2e-3, rtol=2e-3)
+
+
+def test_loss_over_a_vocabulary_subset_equals_masking_the_rest(load):
+    """--loss-vocab data: the softmax over a subset of tokens (holding every target) equals the
+    full-vocabulary loss with every other logit at -inf."""
+    pair = load("qwen3")
+    d = TreeFlashDrafter(DrafterConfig.from_hf(pair.drafter_cfg.hf_config))
+    d.load_state_dict(pair.drafter.state_dict())
+    with torch.no_grad():
+        d.ar_approximation.d.weight.normal_(0, 0.05)
+    g = torch.Generator().manual_seed(7)
+    V = pair.verifier.lm_head.weight.shape[0]
+    tokens = torch.randint(0, V // 3, (2, 24), generator=g) * 3  # multiples of 3: a third of the ids
+    feats = torch.randn(2, 24, len(pair.drafter_cfg.target_layer_ids) * pair.drafter_cfg.hidden_size, generator=g)
+    vocab = torch.unique(torch.cat([tokens.flatten(), torch.tensor([1, V // 2, V - 2])]))
+    real = pair.verifier.lm_head
+
+    class Masked(torch.nn.Module):
+        weight = real.weight
+
+        def forward(self, x):
+            logits = real(x)
+            keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            keep[vocab] = True
+            return logits.masked_fill(~keep, float("-inf"))
+
+    embed, B, mask = pair.verifier.model.embed_tokens, pair.drafter_cfg.block_size, pair.drafter_cfg.mask_token_id
+    with torch.no_grad():
+        sub = block_loss(d, embed, real, tokens, feats, [6, 11, 15], B, 4.0, mask, vocab)
+        ref = block_loss(d, embed, Masked(), tokens, feats, [6, 11, 15], B, 4.0, mask)
+        full = block_loss(d, embed, real, tokens, feats, [6, 11, 15], B, 4.0, mask)
+    assert abs(float(sub[0]) - float(ref[0])) < 1e-5 and abs(float(sub[1]) - float(ref[1])) < 1e-5
+    assert float(sub[0]) < float(full[0])  # fewer competitors, a lower loss: the subset was really used
+    for key in ("marginal", "conditional"):
+        assert torch.equal(sub[2][key], ref[2][key])

@@ -86,6 +86,9 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--steps", type=int, default=_T.steps)
 @click.option("--batch-size", type=int, default=_T.batch_size, help="Sequences per step.")
 @click.option("--anchors", type=int, default=_T.anchors, help="Random blocks per sequence per step.")
+@click.option("--loss-vocab", type=click.Choice(["data", "full"]), default=_T.loss_vocab, show_default=True,
+              help="Training softmax over the tokens that occur in the training data (much cheaper on a CPU), "
+                   "or over the whole vocabulary. Held-out losses always use the whole vocabulary.")
 @click.option("--lr", type=float, default=_T.lr)
 @click.option("--block-size", type=int, default=_T.block_size)
 @click.option("--draft-layers", type=int, default=_T.draft_layers)

@@ -50,6 +50,7 @@ class TrainConfig:
     steps: int = 2000
     batch_size: int = 8
     anchors: int = 16  # random anchors per sequence per step, all trained in one drafter call
+    loss_vocab: str = "data"  # "data": softmax over the tokens of the training data; "full": all
     lr: float = 1e-3
     warmup: int = 100
     decay_gamma: float = 4.0
@@ -65,6 +66,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "anchors", "train_prompts", "heldout_prompts", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.loss_vocab not in ("data", "full"):
+            raise ConfigError("--loss-vocab must be data or full")
 
     def data_key(self, verifier: str) -> str:
         fields = (verifier, self.num_taps, self.train_prompts, self.heldout_prompts, self.prompt_tokens,
@@ -195,14 +198,18 @@ def init_drafter(hf_cfg, seed: int, verifier=None):
     return model
 
 
-def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamma: float, mask_id: int):
+def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamma: float, mask_id: int,
+               vocab: torch.Tensor | None = None):
     """Mean weighted CE of marginal and conditional logits over several anchors in one call.
 
     tokens [b, L] int64, feats [b, L, F]; anchors: an int or a list of them, shared by the batch.
     For anchor a the context is positions 0..a-1, the block root is x[a] at position a, and the
     targets are x[a+1 .. a+B-1]. All blocks go through the drafter at once: each block sees the
     context before its own anchor and its own B positions, nothing else (DFlash's training
-    mask), so the result equals the mean of one call per anchor."""
+    mask), so the result equals the mean of one call per anchor.
+
+    vocab (sorted token ids containing every target) restricts the softmax to those tokens: on a
+    CPU the LM head over the whole vocabulary is most of a training step. None = all tokens."""
     b, dev = tokens.shape[0], tokens.device
     anchors = torch.as_tensor([anchors] if isinstance(anchors, int) else list(anchors), device=dev)
     n, ctx_len = anchors.numel(), int(anchors.max())
@@ -221,9 +228,14 @@ def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamm
     h = norm(z)
     w = torch.exp(-torch.arange(block - 1, dtype=torch.float32, device=dev) / gamma)
     w = w / w.sum()
-    marg = lm_head(h).float()
     parents = embed(tokens[:, where[:, :-1]])  # the true previous token of each position
-    cond = lm_head(norm(z + drafter.ar_approximation(parents, h))).float()
+    cond_h = norm(z + drafter.ar_approximation(parents, h))
+    if vocab is None:
+        marg, cond = lm_head(h).float(), lm_head(cond_h).float()
+    else:
+        weight = lm_head.weight[vocab]
+        marg, cond = F.linear(h, weight).float(), F.linear(cond_h, weight).float()
+        targets = torch.searchsorted(vocab, targets)
 
     def wce(logits):
         ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view(targets.shape)
@@ -352,6 +364,11 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     tokens = data["train"]["tokens"].long()
     feats = data["train"]["features"]
     n_seq, L = tokens.shape
+    # Held-out evaluation always uses the whole vocabulary.
+    vocab = torch.unique(tokens) if cfg.loss_vocab == "data" else None
+    if vocab is not None:
+        log(f"training softmax over the {len(vocab)} tokens of the training data "
+            f"(of {lm_head.weight.shape[0]})")
     if step == 0:  # the untrained drafter, as the curve's starting point
         history.append({"step": 0, "train_loss": None, **evaluate(drafter, embed, lm_head, data["heldout"], cfg,
                                                                    mask_id)})
@@ -363,7 +380,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         lm, lc, _ = block_loss(drafter, embed, lm_head, tokens[rows], feats[rows].float(), anchors, cfg.block_size,
-                               cfg.decay_gamma, mask_id)
+                               cfg.decay_gamma, mask_id, vocab)
         loss = lm + lc
         opt.zero_grad(set_to_none=True)
         loss.backward()
