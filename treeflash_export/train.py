@@ -424,7 +424,7 @@ def plot_history(training_json: Path, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
     trained = [h for h in hist if h["train_loss"] is not None]
     ax.plot([h["step"] for h in trained], [h["train_loss"] / 2 for h in trained],
-            label="train (mean of the two losses)", alpha=0.5)
+            label="train batch (mean of the two; training vocabulary)", alpha=0.5)
     ax.plot(steps, [h["marginal_loss"] for h in hist], label="held-out, marginal")
     ax.plot(steps, [h["conditional_loss"] for h in hist], label="held-out, TreeFlash head")
     ax.set_xlabel("step")
