@@ -115,9 +115,9 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
     One pass per batch: the prompt's prefill, then one cached step per new token, keeping
     the taps of each step (no second pass over the finished sequences). `progress(done,
     total)` counts generated tokens."""
-    tokens, feats = [], []
     from transformers import StaticCache
 
+    tokens, feats = [], []
     total, done = len(prompts) * new_tokens, 0
 
     def taps(out):
@@ -218,7 +218,7 @@ def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamm
     block_ids = torch.full((b, n, block), mask_id, dtype=torch.long, device=dev)
     block_ids[:, :, 0] = tokens[:, anchors]
     ctx_mask = (torch.arange(ctx_len, device=dev)[None] < anchors[:, None]).repeat_interleave(block, 0)
-    same_block = offs.new_tensor(range(n)).repeat_interleave(block)
+    same_block = torch.arange(n, device=dev).repeat_interleave(block)
     key_mask = torch.cat([ctx_mask, same_block[:, None] == same_block[None]], dim=1)
     z, _ = drafter.model(feats[:, :ctx_len], torch.arange(ctx_len, device=dev), embed(block_ids.flatten(1)),
                          where.flatten(), None, 0, key_mask=key_mask)
@@ -364,6 +364,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     tokens = data["train"]["tokens"].long()
     feats = data["train"]["features"]
     n_seq, L = tokens.shape
+    anchor_range = range(cfg.prompt_tokens, L - cfg.block_size + 1)  # blocks lie inside the continuation
     # Held-out evaluation always uses the whole vocabulary.
     vocab = torch.unique(tokens) if cfg.loss_vocab == "data" else None
     if vocab is not None:
@@ -374,8 +375,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
                                                                    mask_id)})
     bar = tqdm(total=cfg.steps, initial=step, desc="training", unit="step")
     while step < cfg.steps:
-        anchors = random.sample(range(cfg.prompt_tokens, L - cfg.block_size + 1),
-                                min(cfg.anchors, L - cfg.block_size + 1 - cfg.prompt_tokens))
+        anchors = random.sample(anchor_range, min(cfg.anchors, len(anchor_range)))
         rows = torch.randint(0, n_seq, (cfg.batch_size,))
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
