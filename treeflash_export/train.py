@@ -114,34 +114,35 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
 
     One pass per batch: the prompt's prefill, then one cached step per new token, keeping
     the taps of each step (no second pass over the finished sequences). `progress(done,
-    total)` counts generated tokens."""
+    total)` counts generated tokens. Runs on the verifier's device; the result is on the CPU."""
     from transformers import StaticCache
 
     tokens, feats = [], []
     total, done = len(prompts) * new_tokens, 0
+    dev = verifier.device
 
     def taps(out):
         return torch.cat([out.hidden_states[t + 1] for t in tap_ids], dim=-1).to(torch.float16)
 
     for i in range(0, len(prompts), batch):
-        ids = torch.tensor(prompts[i : i + batch])
+        ids = torch.tensor(prompts[i : i + batch], device=dev)
         length = ids.shape[1]
         # A preallocated cache: a growing one is copied whole at every step.
         cache = StaticCache(config=verifier.config, max_cache_len=length + new_tokens)
         out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1,
-                       cache_position=torch.arange(length))
+                       cache_position=torch.arange(length, device=dev))
         seq, feat = [ids], [taps(out)]
         for pos in range(length, length + new_tokens):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             seq.append(nxt)
             out = verifier(nxt, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                           cache_position=torch.tensor([pos]))
+                           cache_position=torch.tensor([pos], device=dev))
             feat.append(taps(out))
             done += len(ids)
             if progress:
                 progress(done, total)
-        tokens.append(torch.cat(seq, dim=1).to(torch.int32))
-        feats.append(torch.cat(feat, dim=1))
+        tokens.append(torch.cat(seq, dim=1).to(torch.int32).cpu())
+        feats.append(torch.cat(feat, dim=1).cpu())
     return {"tokens": torch.cat(tokens), "features": torch.cat(feats)}
 
 
@@ -250,6 +251,18 @@ def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamm
 # ---------------------------------------------------------------- training loop
 
 
+def _training_device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name}: use cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: this torch has no CUDA device (torch {torch.__version__})")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: use cpu or cuda[:N]")
+    return dev
+
+
 def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
@@ -267,7 +280,8 @@ def _atomic_save(obj, path: Path) -> None:
 
 def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> dict:
     """Held-out loss and per-position top-1 accuracy over fixed anchors (up to 8, evenly spread)."""
-    tokens, feats = data["tokens"].long(), data["features"].float()
+    dev = lm_head.weight.device
+    tokens, feats = data["tokens"].long().to(dev), data["features"]
     first, last = cfg.prompt_tokens, tokens.shape[1] - cfg.block_size
     anchors = sorted({round(first + i * (last - first) / 7) for i in range(8)})
     drafter.eval()
@@ -275,8 +289,8 @@ def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> d
     acc_m = acc_c = 0
     with torch.no_grad():
         for rows in torch.arange(len(tokens)).split(16):
-            lm, lc, acc = block_loss(drafter, embed, lm_head, tokens[rows], feats[rows], anchors, cfg.block_size,
-                                     cfg.decay_gamma, mask_id)
+            lm, lc, acc = block_loss(drafter, embed, lm_head, tokens[rows.to(dev)], feats[rows].to(dev).float(),
+                                     anchors, cfg.block_size, cfg.decay_gamma, mask_id)
             share = len(rows) / len(tokens)
             totals["marginal_loss"] += float(lm) * share
             totals["conditional_loss"] += float(lc) * share
@@ -314,8 +328,11 @@ def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: li
 
 
 def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = False, work: Path | None = None,
-          log: Callable[[str], None] = print, verifier_name: str | None = None) -> Path:
-    """Train and write the drafter to `out` in the released TreeFlash layout."""
+          log: Callable[[str], None] = print, verifier_name: str | None = None, device: str = "cpu") -> Path:
+    """Train and write the drafter to `out` in the released TreeFlash layout.
+
+    `device` runs data generation and training there (fp32 weights either way); the cached data
+    and the checkpoints are device-independent, so a run may resume on another device."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -329,8 +346,9 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     if ckpt_path.exists() and not resume:
         raise ConfigError(f"{ckpt_path} exists from an earlier run: pass --resume to continue it, "
                           f"or remove {work}")
+    dev = _training_device(device)
     vpath = resolve_checkpoint(verifier_path, "verifier")
-    verifier = load_verifier(vpath, dtype=torch.float32, device="cpu")
+    verifier = load_verifier(vpath, dtype=torch.float32, device=dev)
     tok = load_tokenizer(vpath)
     vcfg = verifier.config
     tap_ids = default_target_layer_ids(int(vcfg.num_hidden_layers), cfg.num_taps)
@@ -339,7 +357,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     data = prepare_data(verifier, tok, str(vpath), cfg, tap_ids, work, log)
 
     hf_cfg = make_drafter_config(vcfg, cfg, mask_id, tap_ids)
-    drafter = init_drafter(hf_cfg, cfg.seed, verifier).train()
+    drafter = init_drafter(hf_cfg, cfg.seed, verifier).to(dev).train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
 
     def lr_at(step):
@@ -351,22 +369,22 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
+        state = torch.load(ckpt_path, weights_only=False, map_location=dev)
         if state["config"] != dataclasses.asdict(cfg):
             raise ConfigError(f"{ckpt_path} was made with other settings; use the same options or remove {work}")
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
-        _set_rng_state(state["rng"])
+        _set_rng_state({k: v.cpu() if torch.is_tensor(v) else v for k, v in state["rng"].items()})
         log(f"resumed at step {step}")
 
     embed, lm_head = verifier.model.embed_tokens, verifier.lm_head
     tokens = data["train"]["tokens"].long()
-    feats = data["train"]["features"]
+    feats = data["train"]["features"]  # stays on the CPU; each step's rows move to `dev`
     n_seq, L = tokens.shape
     anchor_range = range(cfg.prompt_tokens, L - cfg.block_size + 1)  # blocks lie inside the continuation
     # Held-out evaluation always uses the whole vocabulary.
-    vocab = torch.unique(tokens) if cfg.loss_vocab == "data" else None
+    vocab = torch.unique(tokens).to(dev) if cfg.loss_vocab == "data" else None
     if vocab is not None:
         log(f"training softmax over the {len(vocab)} tokens of the training data "
             f"(of {lm_head.weight.shape[0]})")
@@ -379,8 +397,8 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
         rows = torch.randint(0, n_seq, (cfg.batch_size,))
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        lm, lc, _ = block_loss(drafter, embed, lm_head, tokens[rows], feats[rows].float(), anchors, cfg.block_size,
-                               cfg.decay_gamma, mask_id, vocab)
+        lm, lc, _ = block_loss(drafter, embed, lm_head, tokens[rows].to(dev), feats[rows].to(dev).float(), anchors,
+                               cfg.block_size, cfg.decay_gamma, mask_id, vocab)
         loss = lm + lc
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -402,7 +420,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     with atomic_folder(out) as tmp:
         hf_cfg.torch_dtype = "float16"
         hf_cfg.save_pretrained(tmp)
-        save_file({k: v.to(torch.float16).contiguous() for k, v in drafter.state_dict().items()},
+        save_file({k: v.to(torch.float16).cpu().contiguous() for k, v in drafter.state_dict().items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "training.json").write_text(json.dumps(
             {"config": dataclasses.asdict(cfg), "verifier": verifier_name or str(verifier_path), "history": history,
