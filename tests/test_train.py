@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -18,6 +19,26 @@ from treeflash_export.train import TrainConfig, block_loss, train
 CFG = TrainConfig(block_size=4, draft_layers=1, intermediate_size=96, num_taps=2, train_prompts=16,
                   heldout_prompts=8, prompt_tokens=12, continuation_tokens=12, gen_batch=16, steps=40,
                   batch_size=4, lr=3e-3, warmup=5, eval_every=10, save_every=10)
+
+
+@contextlib.contextmanager
+def die_after_second_checkpoint(monkeypatch):
+    """Within the block, a run is interrupted right after writing its second checkpoint."""
+    real_save = train_mod._atomic_save
+    saves = {"n": 0}
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        if path.name == "last.pt":
+            saves["n"] += 1
+            if saves["n"] == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "_atomic_save", save_then_die)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(train_mod, "_atomic_save", real_save)
 
 
 @pytest.fixture(scope="module")
@@ -55,21 +76,9 @@ def test_resume_continues_exactly(pair_dirs, tmp_path, monkeypatch):
     straight = train(str(pair_dirs["qwen3"] / "verifier"), tmp_path / "a", short, work=tmp_path / "wa",
                      log=lambda m: None)
 
-    real_save = train_mod._atomic_save
-    saves = {"n": 0}
-
-    def save_then_die(obj, path):
-        real_save(obj, path)
-        if path.name == "last.pt":
-            saves["n"] += 1
-            if saves["n"] == 2:  # after the checkpoint at step 20
-                raise KeyboardInterrupt
-
-    monkeypatch.setattr(train_mod, "_atomic_save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
+    with die_after_second_checkpoint(monkeypatch), pytest.raises(KeyboardInterrupt):  # after step 20
         train(str(pair_dirs["qwen3"] / "verifier"), tmp_path / "b", short, work=tmp_path / "wb", log=lambda m: None)
     assert not (tmp_path / "b").exists()
-    monkeypatch.setattr(train_mod, "_atomic_save", real_save)
     with pytest.raises(Exception, match="--resume"):
         train(str(pair_dirs["qwen3"] / "verifier"), tmp_path / "b", short, work=tmp_path / "wb", log=lambda m: None)
     resumed = train(str(pair_dirs["qwen3"] / "verifier"), tmp_path / "b", short, work=tmp_path / "wb",
@@ -211,20 +220,8 @@ def test_training_on_cuda_learns_and_resumes_on_the_cpu(pair_dirs, tmp_path, mon
     torch.backends.cuda.matmul.allow_tf32 = False
     short = dataclasses.replace(CFG, steps=30)
     verifier = str(pair_dirs["qwen3"] / "verifier")
-    real_save = train_mod._atomic_save
-    saves = {"n": 0}
-
-    def save_then_die(obj, path):
-        real_save(obj, path)
-        if path.name == "last.pt":
-            saves["n"] += 1
-            if saves["n"] == 2:
-                raise KeyboardInterrupt
-
-    monkeypatch.setattr(train_mod, "_atomic_save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
+    with die_after_second_checkpoint(monkeypatch), pytest.raises(KeyboardInterrupt):
         train(verifier, tmp_path / "d", short, work=tmp_path / "w", log=lambda m: None, device="cuda")
-    monkeypatch.setattr(train_mod, "_atomic_save", real_save)
     # The data the GPU generated is the data the CPU would have generated (greedy tokens).
     from treeflash_export.checkpoints import load_tokenizer, load_verifier
     from treeflash_export.config import default_target_layer_ids

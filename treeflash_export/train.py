@@ -369,13 +369,15 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False, map_location=dev)
+        # On the CPU: load_state_dict copies weights and optimiser state onto the model's device,
+        # and the RNG state must stay a CPU tensor.
+        state = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         if state["config"] != dataclasses.asdict(cfg):
             raise ConfigError(f"{ckpt_path} was made with other settings; use the same options or remove {work}")
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
-        _set_rng_state({k: v.cpu() if torch.is_tensor(v) else v for k, v in state["rng"].items()})
+        _set_rng_state(state["rng"])
         log(f"resumed at step {step}")
 
     embed, lm_head = verifier.model.embed_tokens, verifier.lm_head
