@@ -226,14 +226,52 @@ def test_training_on_cuda_learns_and_resumes_on_the_cpu(pair_dirs, tmp_path, mon
     from treeflash_export.checkpoints import load_tokenizer, load_verifier
     from treeflash_export.config import default_target_layer_ids
 
-    gpu_data = torch.load(next((tmp_path / "w").glob("data-*.pt")))
+    gpu_data = torch.load(next((tmp_path / "w").glob("train-*.pt")))
     v = load_verifier(pair_dirs["qwen3"] / "verifier", dtype=torch.float32, device="cpu")
     taps = default_target_layer_ids(int(v.config.num_hidden_layers), short.num_taps)
     cpu_data = train_mod.prepare_data(v, load_tokenizer(pair_dirs["qwen3"] / "verifier"), verifier, short, taps,
                                       tmp_path / "cpu", log=lambda m: None)
-    assert torch.equal(gpu_data["train"]["tokens"], cpu_data["train"]["tokens"])
+    assert torch.equal(gpu_data["tokens"], cpu_data["train"]["tokens"])
     out = train(verifier, tmp_path / "d", short, work=tmp_path / "w", resume=True, log=lambda m: None,
                 device="cpu")
     hist = json.loads((out / "training.json").read_text())["history"]
     assert [h["step"] for h in hist] == [0, 10, 20, 30]
     assert hist[-1]["marginal_loss"] < hist[0]["marginal_loss"] - 0.3
+
+
+def test_more_prompts_generate_only_the_new_sequences(pair_dirs, tmp_path, monkeypatch):
+    from treeflash_export.checkpoints import load_tokenizer, load_verifier
+    from treeflash_export.config import default_target_layer_ids
+
+    vdir = pair_dirs["qwen3"] / "verifier"
+    v = load_verifier(vdir, dtype=torch.float32, device="cpu")
+    tok = load_tokenizer(vdir)
+    taps = default_target_layer_ids(int(v.config.num_hidden_layers), CFG.num_taps)
+    generated = []
+    real_generate = train_mod.generate_data
+
+    def counting_generate(verifier, prompts, *args, **kwargs):
+        generated.append(len(prompts))
+        return real_generate(verifier, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "generate_data", counting_generate)
+
+    def prepare(cfg, work):
+        return train_mod.prepare_data(v, tok, str(vdir), cfg, taps, tmp_path / work, log=lambda m: None)
+
+    small, big = dataclasses.replace(CFG, train_prompts=6), dataclasses.replace(CFG, train_prompts=10)
+    prepare(small, "w")
+    assert generated == [6, 8]  # train, held-out
+    grown = prepare(big, "w")
+    assert generated == [6, 8, 4]  # only the four new training sequences; the held-out split is cached
+    assert sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / "w").glob("train-*.pt")) == ["10.pt"]
+    shrunk = prepare(small, "w")  # a leading slice of the larger cache, nothing generated
+    assert generated == [6, 8, 4]
+    fresh = prepare(big, "fresh")
+    # The same sequences as one run of ten prompts; the taps only up to rounding, as they were
+    # computed in other batches.
+    assert torch.equal(grown["train"]["tokens"], fresh["train"]["tokens"])
+    assert torch.equal(shrunk["train"]["tokens"], fresh["train"]["tokens"][:6])
+    assert torch.equal(grown["heldout"]["tokens"], fresh["heldout"]["tokens"])
+    assert torch.allclose(grown["train"]["features"].float(), fresh["train"]["features"].float(), atol=2e-3)
+    assert torch.equal(shrunk["train"]["features"], grown["train"]["features"][:6])

@@ -69,9 +69,10 @@ class TrainConfig:
         if self.loss_vocab not in ("data", "full"):
             raise ConfigError("--loss-vocab must be data or full")
 
-    def data_key(self, verifier: str) -> str:
-        fields = (verifier, self.num_taps, self.train_prompts, self.heldout_prompts, self.prompt_tokens,
-                  self.continuation_tokens, self.seed)
+    def data_key(self, verifier: str, split: str) -> str:
+        """Names the cached data of one split. The prompt count is not part of it: a cache of
+        more or fewer prompts of the same stream is reused for its leading prompts."""
+        fields = (verifier, self.num_taps, split, self.prompt_tokens, self.continuation_tokens, self.seed)
         return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
 
 
@@ -301,29 +302,59 @@ def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> d
             "conditional_acc": [round(float(x), 4) for x in acc_c]}
 
 
+def _cached_rows(work: Path, stem: str, prompts: torch.Tensor, log: Callable[[str], None]):
+    """(rows, file) of an earlier cache of this split whose prompts are the leading prompts
+    wanted now (the largest such cache first), or (None, None)."""
+    def count(path):
+        return int(path.stem.rsplit("-", 1)[1])
+
+    for path in sorted(work.glob(f"{stem}-*.pt"), key=count, reverse=True):
+        data = torch.load(path)
+        n = min(len(prompts), len(data["tokens"]))
+        if torch.equal(data["tokens"][:n, : prompts.shape[1]], prompts[:n]):
+            log(f"reusing {n} sequences of cached data {path.name}")
+            return {k: v[:n] for k, v in data.items()}, path
+        del data
+    return None, None
+
+
 def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: list[int], work: Path,
                  log: Callable[[str], None] = print) -> dict:
-    """The training and held-out data, generated once and cached in `work` (keyed by every
-    setting that changes it)."""
+    """The training and held-out data, generated once and cached in `work`, one file per split
+    named by every setting that changes it and by its prompt count.
+
+    Each split draws its prompts from its own seeded stream, so a run with more prompts than an
+    earlier one generates only the new sequences (and one with fewer reuses a leading slice)."""
     from tqdm import tqdm
 
-    data_path = Path(work) / f"data-{cfg.data_key(verifier_key)}.pt"
-    if data_path.exists():
-        log(f"using cached data {data_path.name}")
-        return torch.load(data_path)
-    rng = random.Random(cfg.seed)
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
     train_files, held_files = corpus_files()
     data = {}
     for split, files, count in (("train", train_files, cfg.train_prompts),
                                 ("heldout", held_files, cfg.heldout_prompts)):
-        prompts = sample_prompts(files, tok, count, cfg.prompt_tokens, rng)
-        bar = tqdm(total=count * cfg.continuation_tokens, desc=f"verifier continuations ({split})", unit="tok",
-                   leave=False)
-        data[split] = generate_data(verifier, prompts, tap_ids, cfg.continuation_tokens, cfg.gen_batch,
-                                    progress=lambda done, total, bar=bar: bar.update(done - bar.n))
-        bar.close()
-    _atomic_save(data, data_path)
-    log(f"generated {sum(d['tokens'].numel() for d in data.values())} tokens of data -> {data_path.name}")
+        stem = f"{split}-{cfg.data_key(verifier_key, split)}"
+        path = work / f"{stem}-{count}.pt"
+        if path.exists():
+            log(f"using cached data {path.name}")
+            data[split] = torch.load(path)
+            continue
+        rng = random.Random(cfg.seed) if split == "train" else random.Random(f"heldout-{cfg.seed}")
+        prompts = torch.tensor(sample_prompts(files, tok, count, cfg.prompt_tokens, rng), dtype=torch.int32)
+        part, source = _cached_rows(work, stem, prompts, log)
+        have = 0 if part is None else len(part["tokens"])
+        if have < count:
+            bar = tqdm(total=(count - have) * cfg.continuation_tokens, desc=f"verifier continuations ({split})",
+                       unit="tok", leave=False)
+            new = generate_data(verifier, prompts[have:].tolist(), tap_ids, cfg.continuation_tokens, cfg.gen_batch,
+                                progress=lambda done, total, bar=bar: bar.update(done - bar.n))
+            bar.close()
+            log(f"generated {new['tokens'].numel()} tokens of {split} data")
+            part = new if not have else {k: torch.cat([part[k], new[k]]) for k in new}
+            _atomic_save(part, path)
+            if source is not None:  # its sequences lead the new file
+                source.unlink()
+        data[split] = part
     return data
 
 
