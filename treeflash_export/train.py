@@ -42,12 +42,12 @@ class TrainConfig:
     draft_layers: int = 1
     intermediate_size: int | None = None  # None = the verifier's (lets layers start from the verifier's)
     num_taps: int = 3  # tapped verifier layers (target_layer_ids spread over the verifier)
-    train_prompts: int = 5120
+    train_prompts: int = 10240
     heldout_prompts: int = 96
     prompt_tokens: int = 48
     continuation_tokens: int = 96
     gen_batch: int = 256
-    steps: int = 3600
+    steps: int = 4800
     batch_size: int = 8
     anchors: int = 16  # random anchors per sequence per step, all trained in one drafter call
     loss_vocab: str = "data"  # "data": softmax over the tokens of the training data; "full": all
