@@ -210,7 +210,7 @@ def test_train_refuses_an_unusable_device(pair_dirs, tmp_path, device, message):
     r = CliRunner().invoke(main, ["train", "--model", str(pair_dirs["qwen3"] / "verifier"), "--out",
                                   str(tmp_path / "d"), "--device", device, "--steps", "1"])
     assert r.exit_code == 2 and message in r.output, r.output
-    assert not (tmp_path / "d").exists()
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.work").exists()
 
 
 @pytest.mark.cuda

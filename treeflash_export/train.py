@@ -371,8 +371,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
 
     cfg.validate()
     out = Path(out)
-    work = Path(work) if work else out.with_name(out.name + ".work")
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(work) if work else out.with_name(out.name + ".work")  # prepare_data creates it
     ckpt_path = work / "last.pt"
     if ckpt_path.exists() and not resume:
         raise ConfigError(f"{ckpt_path} exists from an earlier run: pass --resume to continue it, "
