@@ -339,6 +339,8 @@ def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: li
             log(f"using cached data {path.name}")
             data[split] = torch.load(path)
             continue
+        # The training stream is seeded as in the single-file cache this replaced, so its sequences
+        # could be carried over; the held-out stream no longer depends on the training prompt count.
         rng = random.Random(cfg.seed) if split == "train" else random.Random(f"heldout-{cfg.seed}")
         prompts = torch.tensor(sample_prompts(files, tok, count, cfg.prompt_tokens, rng), dtype=torch.int32)
         part, source = _cached_rows(work, stem, prompts, log)
