@@ -1,4 +1,5 @@
-"""The round loop: draft -> expand -> build tree -> verify -> accept -> commit.
+"""The generation loop over a runner's rounds (draft -> expand -> build tree -> verify ->
+accept -> commit; each backend runs a round its own way behind ``Runner.round``).
 
 Bookkeeping per round (P = committed length, i.e. tokens whose verifier KV is final):
 - ``root`` is the last emitted token, not yet in the verifier cache; it is node 0
@@ -20,10 +21,8 @@ import torch
 
 from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.errors import ConfigError
-from treeflash_export.tree import chain_tree
 
 from .backends.base import Runner
-from .sampling import accept, choose_tokens
 
 
 @dataclass
@@ -123,35 +122,15 @@ def generate(
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=runner.device).reshape(-1)
     P = int(prompt.shape[0])
     check_capacity(runner, P, sampling, tree)
-    gen = torch.Generator(device=runner.device).manual_seed(sampling.seed)
     stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=P)
     out = _Emitter(sampling, on_tokens)
 
-    def pick(logits):
-        return choose_tokens(logits, sampling.temperature, sampling.top_p, gen)
-
     t0 = time.perf_counter()
-    runner.reset()
-    last_logits, ctx = runner.prefill(prompt)
-    root = int(pick(last_logits[None])[0])
+    first = runner.begin(prompt, tree, sampling)
     stats.prefill_s = time.perf_counter() - t0
-    done = out.emit([root])
-    ctx_start = 0
+    done = out.emit([first])
     while not done:
-        if tree.mode == "ar":
-            logits, _ = runner.verify(chain_tree(torch.tensor([root], device=runner.device)), P)
-            P += 1
-            root = int(pick(logits)[0])
-            gained = [root]
-        else:
-            draft = runner.propose(root, ctx, ctx_start, P, tree)
-            logits, feats = runner.verify(draft, P)
-            path, bonus = accept(draft, pick(logits))
-            runner.commit(P, path)
-            ctx, ctx_start = feats[path], P
-            P += int(path.shape[0])
-            gained = draft.tokens[path[1:]].tolist() + [bonus]
-            root = bonus
+        gained = runner.round()
         stats.rounds += 1
         stats.accept_lengths.append(len(gained))
         done = out.emit(gained)

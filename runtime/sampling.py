@@ -29,20 +29,34 @@ def verifier_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
 
 def choose_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generator: torch.Generator | None) -> torch.Tensor:
-    """[n, V] -> [n] int64: the verifier's token after each row."""
+    """[n, V] -> [n] int64: the verifier's token after each row.
+
+    Sampling is an exponential race: argmax of p / E with E ~ Exp(1) independent per token
+    picks token i with probability p_i exactly, with fixed shapes and no host synchronisation
+    (torch.multinomial checks its input on the host), so it runs inside a captured round."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = verifier_probs(logits, temperature, top_p)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
 
 
-def accept(tree: Tree, y: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Deepest accepted node b*: returns (path node indices root..b* in order, bonus token y[b*])."""
+def accept(tree: Tree, y: torch.Tensor, max_path: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deepest accepted node b*, in fixed shapes (no host read):
+
+    returns path [L] (the node indices root..b* in order, then other nodes as padding), tau (0-d:
+    the path's length, depth(b*) + 1) and the bonus token y[b*] (0-d). L = max_path or N; a path
+    never has more nodes than the block, so the runtime passes min(N, B)."""
+    N = tree.size
     parents = tree.parents.clamp(min=0)
-    match = (tree.tokens == y[parents]) & tree.valid
-    match[0] = True
+    ids = torch.arange(N, device=y.device)
+    match = ((tree.tokens == y[parents]) & tree.valid) | (ids == 0)
     accepted = ~(tree.mask & ~match[None, :]).any(dim=-1)  # every node on the path matched
     depth = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1))
-    best = int(depth.argmax())
-    path = tree.mask[best].nonzero()[:, 0]  # index order = path order (parents precede children)
-    return path, int(y[best])
+    # The first deepest (unique: siblings hold distinct tokens). Kept 1-d: indexing with a 0-d
+    # tensor would read it on the host.
+    best = depth.argmax().reshape(1)
+    on_path = tree.mask[best][0]
+    # Path nodes first, in index order (= path order: parents precede children), then the rest.
+    order = torch.where(on_path, ids, ids + N).argsort()
+    return order[: max_path or N], depth[best][0] + 1, y[best][0]

@@ -158,6 +158,11 @@ def test_prompt_longer_than_cache(pair_dirs):
     assert_one_line_error(r, "needs", "--max-new-tokens")
 
 
+def test_cache_larger_than_memory(pair_dirs):
+    r = invoke(*pair_args(pair_dirs["qwen3"]), "--prompt", "x", "--max-seq-len", 10**9)
+    assert_one_line_error(r, "caches for --max-seq-len 1000000000 need", "GiB is free on cpu", "lower --max-seq-len")
+
+
 def test_missing_drafter_and_empty_prompt(pair_dirs):
     d = pair_dirs["qwen3"]
     assert_one_line_error(invoke("--model", d / "verifier", "--prompt", "x"), "--drafter is required")

@@ -54,16 +54,15 @@ class Oracle:
 
 
 class OracleRunner(TorchRunner):
-    """Runs the real drafter (so its context cache is exercised), then plants the truth."""
+    """Runs the real drafter (so its context cache is exercised), then plants the truth into the
+    tables of the device-resident round (eagerly: the oracle itself reads host values)."""
 
     def __init__(self, *args, truth: list[int], seed: int, **kw):
-        super().__init__(*args, **kw)
+        super().__init__(*args, cuda_graphs=False, **kw)
         self.oracle = Oracle(truth, seed)
 
-    def propose(self, root, ctx_features, ctx_start, past_len, tree):
-        z = self.draft_block(root, ctx_features, ctx_start, past_len)
-        planted = self.oracle.plant(self.tables(root, z, tree), past_len)
-        return build_tree(planted, root, tree.tree_size)
+    def tables(self, root, z, tree):
+        return self.oracle.plant(super().tables(root, z, tree), int(self.state.past_len))
 
 
 def _ids(pair, prompt):
@@ -123,9 +122,10 @@ def test_oracle_tree_has_deep_branches_off_the_true_path(load):
     pair = load("qwen3")
     ids = _ids(pair, PROMPTS[0])
     runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + [1] * 64, seed=0)
-    runner.reset()
-    _, feats = runner.prefill(torch.tensor(ids))
-    tree = runner.propose(ids[-1], feats, 0, len(ids), TreeConfig(**SETTINGS))
+    cfg = TreeConfig(**SETTINGS)
+    runner.begin(torch.tensor(ids), cfg, SamplingConfig())
+    tables = runner.tables(runner.state.root, runner.draft(), cfg)
+    tree = build_tree(tables, runner.state.root, cfg.tree_size)
     depths = tree.depths[tree.valid]
     assert int(depths.max()) >= 4
     assert int((depths == 1).sum()) >= 2 and int((depths == 2).sum()) >= 2

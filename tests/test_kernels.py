@@ -10,6 +10,9 @@ from treeflash_kernels import mlp_expand as mk
 from treeflash_kernels.bench import make_problem
 
 needs_triton = pytest.mark.skipif(mk.triton is None, reason="triton is not installed (pip install triton)")
+# Triton runs kernels in its interpreter on CPU tensors (conftest sets TRITON_INTERPRET without a GPU)
+# and compiled on CUDA tensors where a GPU is present.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (B, M, H, I, V): non-powers of two everywhere, M = 1, a single block row (B = 2), H > one GEMM tile.
 SHAPES = [(4, 3, 40, 24, 50), (2, 1, 16, 16, 20), (5, 4, 64, 48, 30), (3, 1, 24, 40, 17), (6, 5, 72, 80, 64)]
@@ -46,7 +49,7 @@ def test_reference_is_the_model_composition():
 @pytest.mark.parametrize("gemm", ["triton", "torch"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-M{}-H{}-I{}-V{}".format(*s))
 def test_kernels_match_reference_fp32(shape, gemm):
-    args = make_inputs(*shape)
+    args = make_inputs(*shape, device=DEVICE)
     ref = mk.mlp_expand_reference(*args)
     out = mk.mlp_expand_triton(*args, gemm=gemm)
     assert out.shape == ref.shape == (shape[0] - 1, shape[1], shape[2])
@@ -57,7 +60,7 @@ def test_kernels_match_reference_fp32(shape, gemm):
 @needs_triton
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-M{}-H{}-I{}-V{}".format(*s))
 def test_each_kernel_matches_its_reference_fp32(shape):
-    z, ids, E, head_w, ug_w, ug_b, d_w, norm_w, head_eps, norm_eps = make_inputs(*shape)
+    z, ids, E, head_w, ug_w, ug_b, d_w, norm_w, head_eps, norm_eps = make_inputs(*shape, device=DEVICE)
     M = shape[1]
     x = mk.expand_prologue(z, ids, E, head_w, norm_w, head_eps, norm_eps)
     x_ref = mk.expand_prologue_reference(z, ids, E, head_w, norm_w, head_eps, norm_eps)
@@ -74,7 +77,7 @@ def test_each_kernel_matches_its_reference_fp32(shape):
 
 @needs_triton
 def test_kernels_other_tiles_and_errors():
-    args = make_inputs(5, 4, 64, 48, 30)
+    args = make_inputs(5, 4, 64, 48, 30, device=DEVICE)
     ref = mk.mlp_expand_reference(*args)
     out = mk.mlp_expand_triton(*args, tiles=mk.GemmTiles(block_m=16, block_n=32, block_k=16))
     assert (out - ref).abs().max().item() < 1e-4

@@ -38,22 +38,28 @@ def test_accept_takes_the_deepest_matching_path():
     tree = _tree([9, 10, 11, 12, 13, 14, 15], [-1, 0, 0, 0, 1, 2, 5])
     # y[a] = verifier's token after node a. Root -> 11 (node 2), node 2 -> 14 (node 5), node 5 -> 99 (no child).
     y = torch.tensor([11, 13, 14, 0, 0, 99, 0])
-    path, bonus = accept(tree, y)
-    assert path.tolist() == [0, 2, 5] and bonus == 99
+    assert _accepted(tree, y) == ([0, 2, 5], 99)
     # Node 4 (d) matches y[1] but node 1 itself does not match y[0]: not accepted.
     y = torch.tensor([50, 13, 0, 0, 0, 0, 0])
-    path, bonus = accept(tree, y)
-    assert path.tolist() == [0] and bonus == 50
+    assert _accepted(tree, y) == ([0], 50)
     # Whole depth-3 path accepted: bonus comes from the leaf.
     y = torch.tensor([11, 0, 14, 0, 0, 15, 77])
-    path, bonus = accept(tree, y)
-    assert path.tolist() == [0, 2, 5, 6] and bonus == 77
+    assert _accepted(tree, y) == ([0, 2, 5, 6], 77)
+    # Fixed shape: the path is padded to max_path entries with the other nodes, in index order.
+    path, tau, bonus = accept(tree, torch.tensor([11, 13, 14, 0, 0, 99, 0]), 5)
+    assert path.tolist() == [0, 2, 5, 1, 3] and int(tau) == 3 and int(bonus) == 99
+
+
+def _accepted(tree, y):
+    path, tau, bonus = accept(tree, y)
+    assert path.shape == (tree.size,) and sorted(path.tolist()) == list(range(tree.size))
+    return path[: int(tau)].tolist(), int(bonus)
 
 
 def test_padding_nodes_are_never_accepted():
     tree = _tree([9, 10, 0], [-1, 0, 0], valid=[True, True, False])
-    path, bonus = accept(tree, torch.tensor([0, 5, 5]))  # y[root] = 0 equals the padding token
-    assert path.tolist() == [0] and bonus == 0
+    # y[root] = 0 equals the padding token
+    assert _accepted(tree, torch.tensor([0, 5, 5])) == ([0], 0)
 
 
 def test_top_p_keeps_the_smallest_nucleus():

@@ -1,20 +1,24 @@
 """The runner contract every backend implements, and the name -> class registry.
 
-The round loop (``treeflash_runtime.loop``) calls only these methods, so the
-ONNX Runtime and TensorRT backends slot in without touching it. Tensors cross
-the contract on the runner's device.
+The round loop (``treeflash_runtime.loop``) calls only ``begin`` and ``round``, so
+the backends slot in without touching it: the PyTorch backend keeps a whole round
+on the device, the graph backends drive their graphs stage by stage from the host
+(``StagedRunner``).
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from abc import ABC, abstractmethod
 
 import torch
 
-from treeflash_export.config import TreeConfig
-from treeflash_export.errors import TreeFlashError
-from treeflash_export.tree import Tree
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_export.errors import ConfigError, TreeFlashError
+from treeflash_export.tree import Tree, chain_tree
+
+from ..sampling import accept, choose_tokens
 
 # name -> (module, class, what to install when the import fails). Imported lazily.
 BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -29,6 +33,8 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
 class Runner(ABC):
     """One loaded model pair on one backend, with its caches of capacity ``capacity``.
 
+    The loop calls ``begin`` once per generation, then ``round`` until it stops; each call
+    returns the tokens it produced as host integers (the one read-back a round needs).
     Shapes: F = feature width (T * H), V = vocabulary, N = tree size, B = block size.
     """
 
@@ -39,6 +45,24 @@ class Runner(ABC):
     capacity: int
     mask_token_id: int
     has_head: bool  # the drafter has an AR-approximation head (TreeFlash mode possible)
+
+    @abstractmethod
+    def begin(self, prompt: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig) -> int:
+        """Forget earlier state, prefill the prompt [n] (on the runner's device), and return the
+        first new token. ``tree`` (already resolved) and ``sampling`` hold for the rounds that follow."""
+
+    @abstractmethod
+    def round(self) -> list[int]:
+        """One round: draft, expand, build the tree, verify, accept, commit (or, in mode 'ar',
+        one plain decoding step). Returns the tokens gained: accepted drafts, then the bonus."""
+
+
+class StagedRunner(Runner):
+    """A runner whose stages are separate calls driven from the host: the graph backends
+    (ONNX Runtime, TensorRT), whose graphs return new K/V instead of writing the caches.
+    The round is written here once; subclasses provide the stages."""
+
+    kv: torch.Tensor  # the verifier cache [L, 2, Hkv, S, D], allocated by reset()
 
     @abstractmethod
     def reset(self) -> None:
@@ -59,8 +83,6 @@ class Runner(ABC):
         """One verifier pass over the tree -> (logits [N, V], features [N, F]); writes KV slots
         past_len..past_len+N-1."""
 
-    kv: torch.Tensor  # the verifier cache [L, 2, Hkv, S, D], allocated by reset()
-
     def commit(self, past_len: int, path: torch.Tensor) -> None:
         """Move the KV of the accepted nodes ``path`` (tree indices, in order) to slots past_len..
 
@@ -68,6 +90,64 @@ class Runner(ABC):
         tau = path.shape[0]
         # Gather first (a copy), then write: source and destination slots may overlap.
         self.kv[:, :, :, past_len : past_len + tau] = self.kv[:, :, :, past_len + path]
+
+    def begin(self, prompt, tree, sampling):
+        self.reset()
+        self._tree = tree
+        gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self._pick = lambda logits: choose_tokens(logits, sampling.temperature, sampling.top_p, gen)
+        logits, self._ctx = self.prefill(prompt)
+        self._root = int(self._pick(logits[None])[0])
+        self._past, self._ctx_start = int(prompt.shape[0]), 0
+        return self._root
+
+    def round(self):
+        P, root = self._past, self._root
+        if self._tree.mode == "ar":
+            logits, _ = self.verify(chain_tree(torch.tensor([root], device=self.device)), P)
+            self._root = int(self._pick(logits)[0])
+            self._past = P + 1
+            return [self._root]
+        draft = self.propose(root, self._ctx, self._ctx_start, P, self._tree)
+        logits, feats = self.verify(draft, P)
+        path, tau, bonus = accept(draft, self._pick(logits))
+        path = path[: int(tau)]
+        self.commit(P, path)
+        self._ctx, self._ctx_start = feats[path], P
+        self._past = P + int(tau)
+        self._root = int(bonus)
+        return draft.tokens[path[1:]].tolist() + [self._root]
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes that new tensors can still take on the device (None where it cannot be told)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def allocate_caches(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                    capacity: int) -> dict[str, torch.Tensor]:
+    """Zeroed caches, after checking that they fit: a one-line error names the bytes needed and
+    the bytes free instead of an allocator traceback."""
+    sizes = {name: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for name, shape in shapes.items()}
+    free = free_memory(device)
+    need = sum(sizes.values())
+    if free is not None and need > free:
+        parts = ", ".join(f"{name} {gib(b)}" for name, b in sizes.items())
+        raise ConfigError(f"the caches for --max-seq-len {capacity} need {gib(need)} ({parts}) but only {gib(free)} "
+                          f"is free on {device}: lower --max-seq-len")
+    return {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
 
 
 def available_backends() -> list[str]:

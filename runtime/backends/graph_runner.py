@@ -15,13 +15,13 @@ from treeflash_export.artifact import Artifact
 from treeflash_export.config import TreeConfig
 from treeflash_export.tree import Tree, chain_tree
 
-from .base import Runner
+from .base import StagedRunner, allocate_caches
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int64": torch.int64, "bool": torch.bool}
 
 
-class GraphRunner(Runner):
+class GraphRunner(StagedRunner):
     def __init__(self, artifact: Artifact, device: torch.device):
         self.artifact = artifact
         self.device = device
@@ -43,11 +43,11 @@ class GraphRunner(Runner):
         return TORCH_DTYPES[next(s.dtype for s in self.specs[graph].inputs if s.name == name)]
 
     def reset(self) -> None:
-        kv_dtype = self._input_dtype("verify", "kv_cache")
-        shape = next(s.shape for s in self.specs["verify"].inputs if s.name == "kv_cache")
-        self.kv = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        shape = next(s.shape for s in self.specs["draft"].inputs if s.name == "draft_kv")
-        self.draft_kv = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        shapes = {"verifier cache": next(s.shape for s in self.specs["verify"].inputs if s.name == "kv_cache"),
+                  "drafter cache": next(s.shape for s in self.specs["draft"].inputs if s.name == "draft_kv")}
+        self.kv = self.draft_kv = None  # let the previous generation's caches go first
+        caches = allocate_caches(shapes, self._input_dtype("verify", "kv_cache"), self.device, self.capacity)
+        self.kv, self.draft_kv = caches["verifier cache"], caches["drafter cache"]
 
     def _verify(self, tree: Tree, past_len: int):
         out = self.run_graph("verify", {

@@ -1,25 +1,68 @@
-"""PyTorch backend: the traceable model definitions run eagerly (CPU or CUDA)."""
+"""PyTorch backend: the model definitions, with the whole round resident on the device.
+
+A round reads and writes only preallocated tensors (``DeviceState``) and never a host
+value, so on CUDA it is captured once as a CUDA graph and replayed (``cuda_graphs``);
+the host reads back one small buffer per round (the tokens gained and their count).
+Elsewhere, and with graphs off, the same functions run eagerly: that is how the tests
+prove the device-resident round exact on CPU.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from dataclasses import dataclass
+
 import torch
 
-from treeflash_export.config import TreeConfig
+from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.errors import ConfigError
 from treeflash_export.models import TreeVerifier
 from treeflash_export.models.expand import marginal_tables, treeflash_tables
-from treeflash_export.tree import Tables, Tree, build_tree, chain_tree
+from treeflash_export.tree import Tables, Tree, build_tree
 
-from .base import Runner
+from ..sampling import accept, choose_tokens
+from .base import Runner, allocate_caches
+
+# Prompt tokens per prefill pass when prefill is captured (CUDA graphs); eager prefill takes the
+# whole prompt at once. The caches carry this many spare slots so padded passes never overflow.
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class DeviceState:
+    """What a round reads and writes, preallocated once per runner (graphs keep their addresses).
+
+    kv        [L, 2, Hkv, S', D]  verifier cache; slots < past_len are committed
+    draft_kv  [Ld, 2, Hkv, S', D] drafter context cache; slots < past_len - pending_count are filled
+    past_len  [] int64            P, committed tokens
+    root      [1] int64           the last emitted token: node 0 of the next tree, at position P
+    pending   [Lp, F]             verifier features of the tokens the last round committed (positions
+                                  P - pending_count ..), still to enter the drafter's cache
+    pending_count [] int64
+    out       [Lp + 1] int64      out[0] = tokens gained by the last call, out[1:1 + out[0]] the tokens
+    S' = capacity + spare slots; Lp = the longest path a round can accept, min(N, B) (1 for plain decoding).
+    """
+
+    kv: torch.Tensor
+    draft_kv: torch.Tensor | None
+    past_len: torch.Tensor
+    root: torch.Tensor
+    pending: torch.Tensor
+    pending_count: torch.Tensor
+    out: torch.Tensor
 
 
 class TorchRunner(Runner):
     name = "torch"
 
-    def __init__(self, verifier_hf, drafter=None, *, capacity: int, fused: bool = True):
+    def __init__(self, verifier_hf, drafter=None, *, capacity: int, fused: bool = True,
+                 cuda_graphs: bool = True, log=None):
         """verifier_hf: a Hugging Face causal LM; drafter: a TreeFlashDrafter or None (plain decoding only).
         fused: the TreeFlash head through torch.ops.treeflash.mlp_expand (the Triton kernels on CUDA,
-        the PyTorch reference elsewhere) rather than the module composition."""
+        the PyTorch reference elsewhere) rather than the module composition.
+        cuda_graphs: on CUDA, capture prefill passes, rounds and plain steps once each (per tree and
+        sampling setting) and replay them; ignored elsewhere. log: progress lines (graph capture)."""
         self.drafter = drafter
         self.fused = fused
         tap_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
@@ -33,50 +76,237 @@ class TorchRunner(Runner):
         self.capacity = int(capacity)
         if self.capacity < 2:
             raise ConfigError(f"--max-seq-len {capacity} is too small")
-        self.kv = None
-        self.draft_kv = None
+        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.log = log or (lambda msg: None)
+        self.timer: dict[str, float] | None = None  # stage name -> seconds, when a benchmark asks
+        self.state = self._allocate()
+        self._graphs: dict[tuple, _Captured] = {}
+        self._pool = None
+        self.generator = torch.Generator(device=self.device)
 
-    def reset(self) -> None:
-        self.kv = self.verifier.new_cache(self.capacity)
+    # ------------------------------------------------------------------ state
+
+    def _allocate(self) -> DeviceState:
+        v, dev = self.verifier, self.device
+        slots = self.capacity + max(PREFILL_CHUNK, self.block_size)
+        shapes = {"verifier cache": (v.num_layers, 2, v.num_kv_heads, slots, v.head_dim)}
         if self.drafter is not None:
-            self.draft_kv = self.drafter.model.new_cache(self.capacity)
+            c = self.drafter.cfg
+            shapes["drafter cache"] = (c.num_layers, 2, c.num_kv_heads, slots, c.head_dim)
+        caches = allocate_caches(shapes, self.dtype, dev, self.capacity)
+        self.max_path = self.block_size
+        feat = len(v.tap_layer_ids) * v.hidden_size
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        return DeviceState(
+            kv=caches["verifier cache"], draft_kv=caches.get("drafter cache"), past_len=zero.clone(),
+            root=torch.zeros(1, dtype=torch.long, device=dev),
+            pending=torch.zeros(self.max_path, feat, dtype=self.dtype, device=dev), pending_count=zero.clone(),
+            out=torch.zeros(self.max_path + 1, dtype=torch.long, device=dev),
+        )
+
+    def _reset_state(self) -> None:
+        """In place: captured graphs hold these tensors' addresses. Cache contents need no clearing:
+        nothing reads a slot at or past the committed length without first writing it."""
+        st = self.state
+        st.past_len.zero_()
+        st.root.zero_()
+        st.pending_count.zero_()
+        st.out.zero_()
+
+    # ------------------------------------------------------------------ the loop's contract
 
     @torch.inference_mode()
-    def prefill(self, tokens):
-        logits, feats = self.verify(chain_tree(tokens), 0)
-        return logits[-1], feats
+    def begin(self, prompt: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig) -> int:
+        self.tree, self.sampling = tree, sampling
+        self.path_len = 1 if tree.mode == "ar" else min(tree.tree_size, self.block_size)
+        if self.use_graphs:
+            self._capture_for(tree, sampling)
+        self._reset_state()
+        self.generator.manual_seed(sampling.seed)
+        n = int(prompt.shape[0])
+        if self.use_graphs:
+            run = self._graphs["prefill", sampling.temperature, sampling.top_p]
+            for start in range(0, n, PREFILL_CHUNK):
+                part = prompt[start : start + PREFILL_CHUNK]
+                count = part.shape[0]
+                run(torch.nn.functional.pad(part, (0, PREFILL_CHUNK - count)), torch.tensor(count, device=self.device))
+        else:
+            self._prefill(prompt, torch.tensor(n, device=self.device), bound=n)
+        self._host_past = n
+        return self._emitted()[0]
 
     @torch.inference_mode()
-    def verify(self, tree: Tree, past_len: int):
-        logits, feats, new_kv = self.verifier(tree.tokens, past_len + tree.depths, tree.mask, self.kv, past_len)
-        self.kv[:, :, :, past_len : past_len + tree.size] = new_kv
-        return logits, feats
+    def round(self) -> list[int]:
+        step = self._ar_step if self.tree.mode == "ar" else self._round
+        if self.use_graphs:
+            self._graphs[self._graph_key(self.tree, self.sampling)]()
+        else:  # eager: the reference attention may stop at a bound the host knows
+            step(bound=self._host_past + max(self.tree.tree_size, self.block_size))
+        gained = self._emitted()
+        self._host_past += len(gained)
+        return gained
 
-    def draft_block(self, root: int, ctx_features, ctx_start: int, past_len: int) -> torch.Tensor:
-        """Stage 1: the drafter backbone over [root, MASK x (B-1)] -> z [B, H] (pre-norm)."""
-        B, dev = self.block_size, self.device
-        block = torch.full((B,), self.mask_token_id, dtype=torch.long, device=dev)
-        block[0] = root
-        embeds = self.verifier.embed_tokens(block)
-        ctx_pos = torch.arange(ctx_start, past_len, device=dev)
-        blk_pos = torch.arange(past_len, past_len + B, device=dev)
-        z, new_kv = self.drafter.model(ctx_features, ctx_pos, embeds, blk_pos, self.draft_kv, ctx_start)
-        self.draft_kv[:, :, :, ctx_start:past_len] = new_kv
-        return z
+    def _emitted(self) -> list[int]:
+        """The one read-back per call: out[0] tokens from out[1:]."""
+        out = self.state.out.tolist()
+        return out[1 : 1 + out[0]]
 
-    def tables(self, root: int, z: torch.Tensor, tree: TreeConfig) -> Tables:
+    # ------------------------------------------------------------------ device-resident steps
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        return choose_tokens(logits, self.sampling.temperature, self.sampling.top_p, self.generator)
+
+    def _prefill(self, tokens: torch.Tensor, count: torch.Tensor, bound: int = 0) -> None:
+        """tokens [C] (the first ``count`` real, the rest padding) at positions P..; the first new token
+        goes to root and out."""
+        st = self.state
+        C = tokens.shape[0]
+        ids = torch.arange(C, device=self.device)
+        causal = ids[:, None] >= ids[None, :]
+        last = (count - 1).reshape(1)
+        logits, feats = self.verifier.forward_cached(tokens, st.past_len + ids, causal, st.kv, st.past_len,
+                                                     key_bound=bound, logit_rows=last)
+        if self.drafter is not None:
+            self.drafter.model.forward_cached(feats, st.past_len, count, None, st.draft_kv, key_bound=bound)
+        st.past_len += count
+        first = self.pick(logits)
+        st.root.copy_(first)
+        st.out[0] = 1
+        st.out[1:2].copy_(first)
+
+    def _ar_step(self, bound: int = 0) -> None:
+        """Plain decoding: one token through the verifier."""
+        st = self.state
+        with self._stage("verify"):
+            one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+            logits, _ = self.verifier.forward_cached(st.root, st.past_len.reshape(1), one, st.kv, st.past_len,
+                                                     key_bound=bound)
+            token = self.pick(logits)
+        st.past_len += 1
+        st.root.copy_(token)
+        st.out[0] = 1
+        st.out[1:2].copy_(token)
+
+    def _round(self, bound: int = 0) -> None:
+        """draft -> expand -> build tree -> verify -> accept -> commit, all on the device."""
+        st, tree_cfg = self.state, self.tree
+        with self._stage("draft"):
+            z = self.draft(bound)
+        with self._stage("expand"):
+            tables = self.tables(st.root, z, tree_cfg)
+        with self._stage("tree"):
+            tree = build_tree(tables, st.root, tree_cfg.tree_size)
+        with self._stage("verify"):
+            logits, feats = self.verifier.forward_cached(tree.tokens, st.past_len + tree.depths, tree.mask, st.kv,
+                                                         st.past_len, key_bound=bound)
+            y = self.pick(logits)
+        with self._stage("accept"):
+            self.commit(tree, y, feats)
+
+    def draft(self, bound: int = 0) -> torch.Tensor:
+        """Stage 1: the pending context enters the drafter's cache, then the block [root, MASK x (B-1)]
+        at positions P..P+B-1 -> z [B, H] (pre-norm)."""
+        st, B = self.state, self.block_size
+        block = torch.full((B,), self.mask_token_id, dtype=torch.long, device=self.device)
+        block = torch.cat([st.root, block[1:]])
+        ctx = st.pending[: self.path_len]
+        return self.drafter.model.forward_cached(ctx, st.past_len - st.pending_count, st.pending_count,
+                                                 self.verifier.embed_tokens(block), st.draft_kv, key_bound=bound)
+
+    def tables(self, root: torch.Tensor, z: torch.Tensor, tree: TreeConfig) -> Tables:
         """Stage 2: transition tables for the mode (see treeflash_export.models.expand)."""
         norm = self.drafter.model.norm
         logits = self.verifier.lm_head(norm(z))
         if tree.mode == "treeflash":
             return treeflash_tables(
-                z, logits, torch.tensor([root], device=self.device), head=self.drafter.ar_approximation, norm=norm,
+                z, logits, root, head=self.drafter.ar_approximation, norm=norm,
                 embed_tokens=self.verifier.embed_tokens, lm_head=self.verifier.lm_head,
                 top_m=tree.top_m, top_k=tree.top_k, temperature=tree.drafter_temperature, fused=self.fused,
             )
         return marginal_tables(logits, tree.top_k, tree.drafter_temperature)
 
-    @torch.inference_mode()
-    def propose(self, root: int, ctx_features, ctx_start: int, past_len: int, tree: TreeConfig) -> Tree:
-        z = self.draft_block(root, ctx_features, ctx_start, past_len)
-        return build_tree(self.tables(root, z, tree), root, tree.tree_size)
+    def commit(self, tree: Tree, y: torch.Tensor, feats: torch.Tensor) -> None:
+        """Accept the deepest matching path (tau nodes) and commit it, in fixed shapes: its K/V move to
+        slots P..P+tau-1 (no RoPE fix-up: a node at depth d already sits at position P + d), its
+        features become the drafter's pending context, its drafts and the bonus go to out."""
+        st, L = self.state, self.path_len
+        path, tau, bonus = accept(tree, y, L)
+        slots = st.past_len + torch.arange(L, device=self.device)
+        # Gather first (a copy), then write: source and destination slots may overlap.
+        st.kv.index_copy_(3, slots, st.kv.index_select(3, st.past_len + path))
+        st.pending[:L].copy_(feats[path])
+        st.pending_count.copy_(tau)
+        drafts = tree.tokens[path[1:]]  # path order; only the first tau - 1 are accepted drafts
+        gained = torch.cat([drafts, bonus.reshape(1)])
+        gained = torch.where(torch.arange(L, device=self.device) == tau - 1, bonus, gained)
+        st.out[0] = tau
+        st.out[1 : 1 + L].copy_(gained)
+        st.past_len += tau
+        st.root.copy_(bonus.reshape(1))
+
+    # ------------------------------------------------------------------ CUDA graphs and timing
+
+    @contextlib.contextmanager
+    def _stage(self, name: str):
+        """Times a stage when a benchmark set ``timer`` (synchronising around it; eager only)."""
+        if self.timer is None:
+            yield
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        yield
+        sync()
+        self.timer[name] = self.timer.get(name, 0.0) + time.perf_counter() - t0
+
+    @staticmethod
+    def _graph_key(tree: TreeConfig, sampling: SamplingConfig) -> tuple:
+        return (tree, sampling.temperature, sampling.top_p)
+
+    def _capture_for(self, tree: TreeConfig, sampling: SamplingConfig) -> None:
+        """Captures, once per runner, the prefill pass and the step for this tree and sampling setting.
+        Warm-up and capture run real steps on scratch state, which begin() then resets."""
+        key = self._graph_key(tree, sampling)
+        todo = [k for k in (("prefill", *key[1:]), key) if k not in self._graphs]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        dev = self.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        for k in todo:
+            self._reset_state()
+            if k[0] == "prefill":
+                args = (torch.zeros(PREFILL_CHUNK, dtype=torch.long, device=dev),
+                        torch.tensor(PREFILL_CHUNK, device=dev))
+                self._graphs[k] = _Captured(self._prefill, args, self._pool, self.generator)
+            else:
+                self.state.past_len.fill_(1)  # a round needs a root and a committed position
+                step = self._ar_step if tree.mode == "ar" else self._round
+                self._graphs[k] = _Captured(step, (), self._pool, self.generator)
+        what = "plain decoding" if tree.mode == "ar" else f"{tree.mode} N={tree.tree_size}"
+        self.log(f"captured CUDA graphs ({', '.join('prefill' if k[0] == 'prefill' else what for k in todo)}) "
+                 f"in {time.perf_counter() - t0:.1f}s")
+
+
+class _Captured:
+    """fn(*args) captured once in a CUDA graph with static copies of its tensor arguments;
+    calling copies the new arguments in and replays. fn's effects are its writes to state."""
+
+    def __init__(self, fn, args, pool, generator: torch.Generator, warmup: int = 2):
+        self.args = [a.clone() for a in args]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+            for _ in range(warmup):
+                fn(*self.args)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.register_generator_state(generator)  # sampling draws advance on every replay
+        with torch.cuda.graph(self.graph, pool=pool):
+            fn(*self.args)
+
+    def __call__(self, *args) -> None:
+        for dst, src in zip(self.args, args):
+            dst.copy_(src)
+        self.graph.replay()

@@ -32,3 +32,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
     return out.transpose(-3, -2).flatten(-2)
+
+
+def write_kv(layer_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """layer_cache [2, Hkv, S, D] (a view into the runtime's cache); k, v [Hkv, n, D] go to slots [n]
+    (a device tensor, so the write can be captured in a CUDA graph)."""
+    layer_cache[0].index_copy_(1, slots, k)
+    layer_cache[1].index_copy_(1, slots, v)

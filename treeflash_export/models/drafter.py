@@ -15,7 +15,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ..config import DrafterConfig
-from .common import apply_rope, attend
+from .common import apply_rope, attend, write_kv
 from .head import ARApproximationHead
 
 
@@ -35,6 +35,10 @@ class DrafterAttention(nn.Module):
         """[*, n, heads * D] -> [*, heads, n, D]"""
         return x.unflatten(-1, (-1, self.head_dim)).transpose(-3, -2)
 
+    def _q(self, h, cos, sin):
+        return apply_rope(self._heads(self.q_norm(self.q_proj(h).unflatten(-1, (-1, self.head_dim))).flatten(-2)),
+                          cos, sin)
+
     def _kv(self, x, cos, sin):
         k = apply_rope(self._heads(self.k_norm(self.k_proj(x).unflatten(-1, (-1, self.head_dim))).flatten(-2)),
                        cos, sin)
@@ -44,8 +48,7 @@ class DrafterAttention(nn.Module):
         """h: [*, B, H] normed block states; ctx: [*, c, H] fused new context; prefix: [2, Hkv, P, D]
         cached context K/V, or None. Returns (output [*, B, H], the new context K/V [2, *, Hkv, c, D])."""
         k_ctx, v_ctx = self._kv(ctx, *ctx_rope)
-        q = apply_rope(self._heads(self.q_norm(self.q_proj(h).unflatten(-1, (-1, self.head_dim))).flatten(-2)),
-                       *blk_rope)
+        q = self._q(h, *blk_rope)
         k_blk, v_blk = self._kv(h, *blk_rope)
         keys, values = [k_ctx, k_blk], [v_ctx, v_blk]
         if prefix is not None:
@@ -127,6 +130,47 @@ class DrafterBackbone(nn.Module):
             x = x + out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x, torch.stack(new_kv)
+
+    def forward_cached(
+        self,
+        ctx_features: torch.Tensor,  # [C, T*H] verifier taps of committed tokens; rows >= ctx_count are padding
+        ctx_start: torch.Tensor,  # 0-d int64: position (and cache slot) of the first row
+        ctx_count: torch.Tensor,  # 0-d int64: valid rows
+        block_embeds: torch.Tensor | None,  # [B, H] embeddings of [root, MASK x (B-1)], or None (ingest only)
+        cache: torch.Tensor,  # [L, 2, Hkv, S, D], written in place
+        key_bound: int = 0,  # a static bound on the keys for the CPU reference attention (0 = S)
+    ) -> torch.Tensor | None:
+        """The runtime's form (no host value read, so it can be captured in a CUDA graph).
+
+        Context K/V of all C rows go to slots ctx_start.. (padding rows land past the committed
+        length P = ctx_start + ctx_count, where nothing reads them). With a block, its K/V then
+        go to slots P..P+B-1 (overwriting the padding; the next round's context overwrites them
+        in turn) and the block attends to slots 0..P+B-1 in place: the committed context and the
+        whole block, non-causally. Returns z [B, H] (pre-norm), or None without a block."""
+        from treeflash_kernels.ops import tree_attention
+
+        dev = ctx_features.device
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        ctx_slots = ctx_start + torch.arange(ctx_features.shape[0], device=dev)
+        ctx_rope = self._rope(ctx, ctx_slots)
+        x = block_embeds
+        if x is not None:
+            B = x.shape[0]
+            past_len = ctx_start + ctx_count
+            blk_slots = past_len + torch.arange(B, device=dev)
+            blk_rope = self._rope(x, blk_slots)
+            see_block = torch.ones(B, B, dtype=torch.bool, device=dev)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            write_kv(cache[i], ctx_slots, *attn._kv(ctx, *ctx_rope))
+            if x is None:  # ingesting context only (the prompt)
+                continue
+            h = layer.input_layernorm(x)
+            write_kv(cache[i], blk_slots, *attn._kv(h, *blk_rope))
+            out = tree_attention(attn._q(h, *blk_rope), cache[i, 0], cache[i, 1], past_len, see_block, key_bound)
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
 
 
 class TreeFlashDrafter(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import apply_rope, attend
+from .common import apply_rope, attend, write_kv
 
 
 class TreeVerifier(nn.Module):
@@ -63,10 +63,7 @@ class TreeVerifier(nn.Module):
         new K/V into slots P..P+n-1 (and later compacts the accepted ones), so the graph never
         scatters into the cache.
         """
-        n = tokens.shape[0]
-        if tree_mask.shape != (n, n) or positions.shape != (n,):
-            raise ValueError(f"verifier: tokens {tuple(tokens.shape)}, positions {tuple(positions.shape)} "
-                             f"and tree_mask {tuple(tree_mask.shape)} disagree")
+        n = _check_inputs(tokens, positions, tree_mask)
         if isinstance(past_len, int):
             prefix = cache[:, :, :, :past_len]
             prefix_mask = torch.ones(n, past_len, dtype=torch.bool, device=tokens.device)
@@ -75,30 +72,65 @@ class TreeVerifier(nn.Module):
             cols = torch.arange(cache.shape[3], device=tokens.device)
             prefix_mask = (cols < past_len)[None, :].expand(n, -1)
         mask = torch.cat([prefix_mask, tree_mask], dim=1)  # [n, P or S + n]
+        new_kv = []
 
+        def attention(i, q, k, v):
+            new_kv.append(torch.stack([k, v]))
+            return attend(q, torch.cat([prefix[i][0], k], dim=1), torch.cat([prefix[i][1], v], dim=1), mask)
+
+        logits, feats = self._layers(tokens, positions, attention)
+        return logits, feats, torch.stack(new_kv)
+
+    def forward_cached(
+        self,
+        tokens: torch.Tensor,  # [n] int64
+        positions: torch.Tensor,  # [n] int64
+        tree_mask: torch.Tensor,  # [n, n] bool
+        cache: torch.Tensor,  # [L, 2, Hkv, S, D], written in place: slots past_len..past_len+n-1
+        past_len: torch.Tensor,  # 0-d int64 on the cache's device: slots < past_len are the prefix
+        *,
+        key_bound: int = 0,  # a static bound on past_len + n for the CPU reference (0 = S)
+        logit_rows: torch.Tensor | None = None,  # [r] rows whose logits are wanted (None = all n)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The runtime's form: new K/V go straight into the cache (node i at slot past_len + i) and
+        attention reads the cache in place, up to past_len + n, heads grouped natively. No host
+        value is read, so the call can be captured in a CUDA graph. Returns logits [n or r, V] and
+        taps [n, T*H]."""
+        from treeflash_kernels.ops import tree_attention
+
+        slots = past_len + torch.arange(_check_inputs(tokens, positions, tree_mask), device=tokens.device)
+
+        def attention(i, q, k, v):
+            write_kv(cache[i], slots, k, v)
+            return tree_attention(q, cache[i, 0], cache[i, 1], past_len, tree_mask, key_bound)
+
+        return self._layers(tokens, positions, attention, logit_rows)
+
+    def _layers(self, tokens, positions, attention, logit_rows=None):
+        """The decoder stack; attention(i, q, k, v) -> [n, Hq*D] is the only part that differs
+        between the exported form and the runtime's in-place form."""
         x = self.embed_tokens(tokens)[None]  # [1, n, H]
         cos, sin = self.rotary_emb(x, positions[None])
         cos, sin = cos[0], sin[0]  # [n, D]
-        taps, new_kv = {}, []
+        taps = {}
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            out, kv = self._attention(layer.self_attn, h[0], cos, sin, prefix[i], mask)
-            new_kv.append(kv)
-            x = x + out[None]
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x)[0], cos, sin)
+            x = x + attn.o_proj(attention(i, q, k, v))[None]
             mlp_out = layer.mlp(layer.post_attention_layernorm(x))
             if isinstance(mlp_out, tuple):  # some MoE blocks also return router logits
                 mlp_out = mlp_out[0]
             x = x + mlp_out
             if i in self.tap_layer_ids:
                 taps[i] = x[0]
-        logits = self.lm_head(self.norm(x))[0]
-        new_kv = torch.stack(new_kv)
+        rows = x[0] if logit_rows is None else x[0, logit_rows]
+        logits = self.lm_head(self.norm(rows))
         if not self.tap_layer_ids:  # plain decoding: no drafter to feed
-            return logits, x.new_zeros(n, 0), new_kv
-        return logits, torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1), new_kv
+            return logits, x.new_zeros(tokens.shape[0], 0)
+        return logits, torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1)
 
-    def _attention(self, attn, h, cos, sin, prefix, mask):
-        """prefix: [2, Hkv, P|S, D] -> (output [n, H], new K/V [2, Hkv, n, D])."""
+    def _qkv(self, attn, h, cos, sin):
+        """h [n, H] -> q [Hq, n, D], k, v [Hkv, n, D], RoPE applied."""
         n = h.shape[0]
         q = attn.q_proj(h).view(n, -1, self.head_dim)
         k = attn.k_proj(h).view(n, -1, self.head_dim)
@@ -106,8 +138,12 @@ class TreeVerifier(nn.Module):
         if getattr(attn, "q_norm", None) is not None:  # Qwen3 normalises per head before RoPE
             q = attn.q_norm(q)
             k = attn.k_norm(k)
-        q = apply_rope(q.transpose(0, 1), cos, sin)
-        k = apply_rope(k.transpose(0, 1), cos, sin)
-        v = v.transpose(0, 1)
-        out = attend(q, torch.cat([prefix[0], k], dim=1), torch.cat([prefix[1], v], dim=1), mask)
-        return attn.o_proj(out), torch.stack([k, v])
+        return apply_rope(q.transpose(0, 1), cos, sin), apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+
+
+def _check_inputs(tokens, positions, tree_mask) -> int:
+    n = tokens.shape[0]
+    if tree_mask.shape != (n, n) or positions.shape != (n,):
+        raise ValueError(f"verifier: tokens {tuple(tokens.shape)}, positions {tuple(positions.shape)} "
+                         f"and tree_mask {tuple(tree_mask.shape)} disagree")
+    return n

@@ -1,0 +1,191 @@
+"""The GPU fast path's pieces that CPU can prove: the in-place model forms against the exported
+forms, the tree-attention kernel (Triton's interpreter on CPU, compiled on CUDA) against its
+reference, a round that reads no host value, and the cache-size check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_export.errors import ConfigError
+from treeflash_export.models.common import attend
+from treeflash_export.tree import chain_tree
+from treeflash_kernels import tree_attention as ta
+from treeflash_runtime.backends.torch_backend import TorchRunner
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(ta.triton is None, reason="triton is not installed (pip install triton)")
+
+
+def attention_problem(Hq, Hkv, n, S, D, P, *, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((Hq, n, D), (Hkv, S, D), (Hkv, S, D)))
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]  # a random tree
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+    return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), torch.tensor(P, device=device),
+            mask.to(device))
+
+
+# (Hq, Hkv, n, S, D, P): grouped and plain heads, one query, an empty prefix, a full cache.
+SHAPES = [(4, 2, 5, 40, 16, 13), (4, 2, 1, 40, 16, 0), (6, 2, 7, 100, 32, 60), (4, 4, 3, 64, 16, 61),
+          (8, 2, 16, 130, 16, 100), (2, 1, 1, 300, 64, 299)]
+IDS = ["Hq{}-Hkv{}-n{}-S{}-D{}-P{}".format(*s) for s in SHAPES]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_reference_is_the_concatenated_form(shape):
+    """The in-place definition equals the exported graphs' form: the prefix sliced to P, the new
+    nodes appended under the tree mask, K/V repeated per group (models.common.attend)."""
+    q, k, v, past, mask = attention_problem(*shape)
+    P, n = int(past), q.shape[1]
+    full = torch.cat([torch.ones(n, P, dtype=torch.bool), mask], dim=1)
+    want = attend(q, k[:, : P + n], v[:, : P + n], full)
+    got = ta.tree_attention_reference(q, k, v, past, mask)
+    assert (got - want).abs().max() < 1e-5
+    assert (ta.tree_attention_reference(q, k, v, past, mask, key_bound=P + n) - got).abs().max() < 1e-6
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [0, 1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_kernel_matches_reference_fp32(shape, splits):
+    q, k, v, past, mask = attention_problem(*shape, device=DEVICE)
+    out = ta.tree_attention_triton(q, k, v, past, mask, splits=splits)
+    ref = ta.tree_attention_reference(q, k, v, past, mask)
+    assert out.shape == ref.shape == (shape[2], shape[0] * shape[4])
+    assert (out - ref).abs().max() < 1e-5  # seen: about 3e-7
+
+
+@needs_triton
+def test_kernel_reads_the_cache_in_place_and_stops_at_the_length():
+    """A layer's K/V as views of the runtime's [L, 2, Hkv, S, D] cache, and garbage (NaN) in every
+    slot past P + n: the kernel must neither copy nor look past the length."""
+    q, k, v, past, mask = attention_problem(4, 2, 6, 96, 16, 37, device=DEVICE)
+    cache = torch.full((3, 2, 2, 96, 16), float("nan"), device=DEVICE)
+    cache[1, 0, :, :43], cache[1, 1, :, :43] = k[:, :43], v[:, :43]
+    out = ta.tree_attention_triton(q, cache[1, 0], cache[1, 1], past, mask)
+    ref = ta.tree_attention_reference(q, k, v, past, mask)
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_launch_plan_is_static_and_covers_the_cache():
+    for n, S in [(1, 4096), (64, 4096), (64, 8192), (7, 33)]:
+        plan = ta.launch_plan(n, 32, 8, S, 128)
+        assert plan["splits"] * plan["split_len"] >= S and plan["split_len"] % plan["block_n"] == 0
+        assert plan["row_blocks"] * plan["block_m"] >= plan["G"] * n
+    # A single query at 8 K/V heads still spreads over many programs (about two per H100 SM).
+    plan = ta.launch_plan(1, 32, 8, 8192, 128)
+    assert plan["row_blocks"] * 8 * plan["splits"] >= 256
+
+
+def test_custom_op_fake_and_cpu_path():
+    from treeflash_kernels.ops import tree_attention
+
+    args = attention_problem(4, 2, 5, 40, 16, 13)
+    assert torch.equal(tree_attention(*args), ta.tree_attention_reference(*args))
+    torch.library.opcheck(tree_attention, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.bfloat16, 3e-2)])
+def test_kernel_16_bit_cuda(dtype, tol):
+    for shape in [(32, 8, 1, 4096, 128, 4000), (32, 8, 64, 4096, 128, 600)]:
+        q, k, v, past, mask = attention_problem(*shape, dtype=dtype, device="cuda")
+        ref = ta.tree_attention_reference(q.float(), k.float(), v.float(), past, mask)
+        err = (ta.tree_attention_triton(q, k, v, past, mask).float() - ref).abs().max().item()
+        assert err < tol, err
+
+
+# ---------------------------------------------------------------- in-place model forms
+
+
+@torch.no_grad()
+def test_in_place_verifier_equals_the_exported_form(load):
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=64)
+    v = runner.verifier
+    prompt = torch.tensor(pair.tokenizer("def main(argv):\n")["input_ids"])
+    P = prompt.shape[0]
+    cache = v.new_cache(64)
+    logits, feats = v.forward_cached(*_chain(prompt, 0), cache, torch.tensor(0))
+    want_logits, want_feats, want_kv = v(*_chain(prompt, 0), v.new_cache(64), 0)
+    assert (logits - want_logits).abs().max() < 1e-5 and (feats - want_feats).abs().max() < 1e-5
+    assert (cache[:, :, :, :P] - want_kv).abs().max() < 1e-5
+    # A tree on top of the prefix; only the last node's logits asked for.
+    tokens = torch.tensor([7, 8, 9, 10])  # parents -1, 0, 0, 1
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    depths = mask.sum(-1) - 1
+    want_logits, want_feats, want_kv = v(tokens, P + depths, mask, cache, P)
+    logits, feats = v.forward_cached(tokens, P + depths, mask, cache, torch.tensor(P), logit_rows=torch.tensor([3]))
+    assert (logits - want_logits[3:]).abs().max() < 1e-5 and (feats - want_feats).abs().max() < 1e-5
+    assert (cache[:, :, :, P : P + 4] - want_kv).abs().max() < 1e-5
+
+
+def _chain(tokens, start):
+    t = chain_tree(tokens)
+    return t.tokens, start + t.depths, t.mask
+
+
+@torch.no_grad()
+def test_in_place_drafter_equals_the_exported_form(load):
+    """Context padded to a fixed row count with a valid count, then the block: same z and the same
+    context K/V as the exported form with its separate new-K/V output."""
+    pair = load("qwen3")
+    d, cfg = pair.drafter.model, pair.drafter_cfg
+    H, B, T = cfg.hidden_size, cfg.block_size, len(cfg.target_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    feats, block = torch.randn(11, T * H, generator=g), torch.randn(B, H, generator=g)
+    ref_cache = d.new_cache(48)
+    _, kv = d(feats[:7], torch.arange(7), block, torch.arange(7, 7 + B), ref_cache, 0)
+    ref_cache[:, :, :, :7] = kv
+    want_z, want_kv = d(feats[7:], torch.arange(7, 11), block, torch.arange(11, 11 + B), ref_cache, 7)
+
+    cache = d.new_cache(48)
+    assert d.forward_cached(feats[:7], torch.tensor(0), torch.tensor(7), None, cache) is None
+    padded = torch.cat([feats[7:], torch.randn(B - 4, T * H, generator=g)])
+    z = d.forward_cached(padded, torch.tensor(7), torch.tensor(4), block, cache)
+    assert (z - want_z).abs().max() < 1e-5
+    assert (cache[:, :, :, :7] - ref_cache[:, :, :, :7]).abs().max() < 1e-5
+    assert (cache[:, :, :, 7:11] - want_kv).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- no host value inside a round
+
+MODES = [("treeflash", 0.0), ("marginal", 0.0), ("chain", 0.0), ("ar", 0.0), ("treeflash", 0.8)]
+
+
+@pytest.mark.parametrize("mode,temperature", MODES)
+def test_round_reads_no_host_value(load, mode, temperature):
+    """What a CUDA graph needs: with the state as fake tensors (values unknown), any host read
+    (.item(), int(), bool(), indexing with a 0-d tensor, nonzero, data-dependent shapes) raises."""
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=96)
+    tree = TreeConfig(mode=mode, tree_size=16, top_m=4, top_k=4).resolved(runner.block_size)
+    runner.begin(torch.tensor([5, 6, 7, 8]), tree, SamplingConfig(temperature=temperature, top_p=0.9))
+    runner.generator = None  # fake tensors cannot draw from a generator; the default one stands in
+    mode_ = FakeTensorMode(allow_non_fake_inputs=True)
+    st = runner.state
+    runner.state = dataclasses.replace(st, **{f.name: mode_.from_tensor(getattr(st, f.name))
+                                              for f in dataclasses.fields(st) if getattr(st, f.name) is not None})
+    with torch.inference_mode(), mode_:
+        with pytest.raises(DataDependentOutputException):  # the check itself can fail
+            int(runner.state.past_len + 1)
+        (runner._ar_step if mode == "ar" else runner._round)()
+        runner._prefill(torch.zeros(32, dtype=torch.long), torch.tensor(5))
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_caches_that_do_not_fit_are_a_one_line_error(load):
+    pair = load("qwen3")
+    with pytest.raises(ConfigError, match=r"need [\d.]+ GiB \(verifier cache .*drafter cache .*\) but only "
+                                          r"[\d.]+ GiB is free on cpu: lower --max-seq-len"):
+        TorchRunner(pair.verifier, pair.drafter, capacity=10**12)
