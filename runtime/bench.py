@@ -17,6 +17,7 @@ import click
 
 from treeflash_export.config import MODES, SamplingConfig, TreeConfig
 from treeflash_export.errors import TreeFlashError
+from treeflash_export.presets import PRESETS
 
 DEFAULT_PROMPTS = (
     "def quicksort(items):\n",
@@ -58,8 +59,9 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--backends", default="torch", help="Comma-separated backends; the first is the reference.")
 @click.option("--modes", default=None, help="Comma-separated modes; 'ar' (plain decoding) is always added. "
               "[default: the artifact's mode, or treeflash]")
-@click.option("--tree-sizes", default=str(TreeConfig.tree_size),
-              help="Comma-separated tree sizes N (checkpoints only; an artifact has its own).")
+@click.option("--tree-sizes", default=None,
+              help="Comma-separated tree sizes N (checkpoints only; an artifact has its own). "
+                   f"[default: {TreeConfig.tree_size}; 16,32,64 with --random-weights]")
 @click.option("--top-m", type=int, default=TreeConfig.top_m)
 @click.option("--top-k", type=int, default=TreeConfig.top_k)
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable). [default: three built-in prompts]")
@@ -76,13 +78,33 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
                    "--artifacts) vs through this Triton server's treeflash model (serving the same artifact).")
 @click.option("--concurrency", type=int, default=8, help="With --server: concurrent streams of the load row.")
 @click.option("--requests", type=int, default=16, help="With --server: distinct prompts per row.")
+@click.option("--random-weights", "preset", default=None, type=click.Choice(sorted(PRESETS)),
+              help="Instead: time rounds and plain steps of a random-weight pair at this model's shapes, built "
+                   "on the device (no download), against the weight-reading floor.")
+@click.option("--prompt-lengths", default="512,8192", help="With --random-weights: comma-separated prompt lengths.")
+@click.option("--rounds", type=int, default=32, help="With --random-weights: timed rounds (or steps) per row.")
+@click.option("--warmup", type=int, default=3, help="With --random-weights: untimed rounds before them.")
+@click.option("--tokens-per-round", type=float, default=3.0,
+              help="With --random-weights: the tokens per round assumed for the implied speed-up.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              help="With --random-weights: auto = bfloat16 on CUDA, float32 on CPU.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, help="torch backend on CUDA: replay captured rounds.")
+@click.option("--stages/--no-stages", default=True,
+              help="With --random-weights: also time each stage of a round (eagerly, synchronised).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
-         prompt_tokens, max_new_tokens, max_seq_len, repeat, device, as_json, server, concurrency, requests):
+         prompt_tokens, max_new_tokens, max_seq_len, repeat, device, as_json, server, concurrency, requests,
+         preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
     Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
-    demo drafter). With --server and --artifacts, it benchmarks serving instead.
+    demo drafter). With --server and --artifacts, it benchmarks serving instead; with
+    --random-weights PRESET, round and step times at real shapes.
     """
+    if preset is not None:
+        _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
+                     device, dtype, cuda_graphs, stages, as_json)
+        return
+    tree_sizes = tree_sizes or str(TreeConfig.tree_size)
     if server is not None:
         _serving_main(artifacts, server, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens, concurrency,
                       requests, as_json)
@@ -99,6 +121,23 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
         sys.stdout.write(json.dumps(report) + "\n")
     else:
         click.echo(format_report(report))
+
+
+def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
+                 device, dtype, cuda_graphs, stages, as_json):
+    from .random_bench import format_random_report, run_random_bench
+
+    try:
+        report = run_random_bench(
+            preset, modes=_split(modes or "chain,marginal,treeflash"),
+            tree_sizes=[int(n) for n in _split(tree_sizes or "16,32,64")], top_m=top_m, top_k=top_k,
+            prompt_lengths=[int(n) for n in _split(prompt_lengths)], rounds=rounds, warmup=warmup,
+            tokens_per_round=tokens_per_round, device=device, dtype=dtype, cuda_graphs=cuda_graphs, stages=stages,
+            log=lambda m: click.echo(m, err=True))
+    except (TreeFlashError, ValueError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else format_random_report(report))
 
 
 def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, requests, as_json):

@@ -189,3 +189,41 @@ def test_caches_that_do_not_fit_are_a_one_line_error(load):
     with pytest.raises(ConfigError, match=r"need [\d.]+ GiB \(verifier cache .*drafter cache .*\) but only "
                                           r"[\d.]+ GiB is free on cpu: lower --max-seq-len"):
         TorchRunner(pair.verifier, pair.drafter, capacity=10**12)
+
+
+# ---------------------------------------------------------------- the real-shape benchmark
+
+
+def test_random_weights_bench_reports_rows_against_floors():
+    import json
+
+    from click.testing import CliRunner
+
+    from treeflash_runtime.bench import main as bench_main
+
+    r = CliRunner().invoke(bench_main, ["--random-weights", "tiny", "--prompt-lengths", "16,40", "--tree-sizes",
+                                        "8,16", "--top-m", "4", "--top-k", "4", "--rounds", "2", "--warmup", "1",
+                                        "--tokens-per-round", "2.5", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["bandwidth_gbps"] > 0 and rep["floor_ms"] > 0 and rep["dtype"] == "float32"
+    w = rep["weights_gb"]
+    assert rep["floor_ms"] == pytest.approx(w["verifier"] / rep["bandwidth_gbps"] * 1e3)
+    got = {(x["prompt_tokens"], x["mode"], x["tree_size"]) for x in rep["rows"]}
+    want = {(p, m, n) for p in (16, 40) for m, n in
+            [("ar", 1), ("chain", 8), ("marginal", 8), ("marginal", 16), ("treeflash", 8), ("treeflash", 16)]}
+    assert got == want
+    by = {(x["prompt_tokens"], x["mode"], x["tree_size"]): x for x in rep["rows"]}
+    for (p, mode, n), x in by.items():
+        assert x["ms_per_round"] > 0 and x["ratio_to_floor"] == pytest.approx(x["ms_per_round"] / x["floor_ms"])
+        ar = by[p, "ar", 1]["ms_per_round"]
+        assert x["ratio_to_ar"] == pytest.approx(x["ms_per_round"] / ar)
+        if mode != "ar":
+            assert x["implied_speedup"] == pytest.approx(2.5 * ar / x["ms_per_round"])
+            assert x["floor_ms"] > rep["floor_ms"] and set(x["stages_ms"]) == {"draft", "expand", "tree", "verify",
+                                                                               "accept"}
+        assert x["ratio_to_shortest_prompt"] == pytest.approx(x["ms_per_round"] / by[16, mode, n]["ms_per_round"])
+    # The head is read in TreeFlash mode only.
+    assert by[16, "treeflash", 8]["floor_ms"] > by[16, "marginal", 8]["floor_ms"]
+    r = CliRunner().invoke(bench_main, ["--random-weights", "tiny", "--rounds", "0"])
+    assert r.exit_code == 2 and "--rounds must be >= 1" in r.output

@@ -96,7 +96,8 @@ def drafter_config(verifier_cfg, *, layers: int = 2, block_size: int = 8, head: 
         vocab_size=verifier_cfg.vocab_size, hidden_size=verifier_cfg.hidden_size,
         intermediate_size=verifier_cfg.intermediate_size, num_hidden_layers=layers,
         num_attention_heads=verifier_cfg.num_attention_heads, num_key_value_heads=verifier_cfg.num_key_value_heads,
-        head_dim=verifier_cfg.hidden_size // verifier_cfg.num_attention_heads, rms_norm_eps=1e-6,
+        head_dim=getattr(verifier_cfg, "head_dim", None) or verifier_cfg.hidden_size // verifier_cfg.num_attention_heads,
+        rms_norm_eps=1e-6,
         max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         architectures=["TreeFlashDraftModel" if head else "DFlashDraftModel"], **extra,
     )

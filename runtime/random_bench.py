@@ -1,0 +1,188 @@
+"""`treeflash-bench --random-weights PRESET`: round and step times at real shapes, no download.
+
+One run builds a random-weight pair on the device (treeflash_export.presets), measures the
+copy bandwidth, and times, side by side on the same runner: plain decoding steps and
+rounds of chain / marginal / TreeFlash at each tree size, at each prompt length. Each
+time is against its floor (the bytes of weights the pass reads over the bandwidth), and
+a round is also turned into the speed-up it implies at an assumed number of tokens per
+round: speed-up = tokens per round x plain step / round. Random weights accept almost
+nothing, so tokens per round cannot be measured here; the real pair's figure comes from
+treeflash-bench over checkpoints.
+
+Floors (as in DESIGN section 6): a plain step reads the verifier's weights; a round reads
+the verifier, the drafter backbone, the LM head once more on the drafter side and, in
+TreeFlash mode, the head. Embedding tables are counted whole, so the floors are a little
+generous to the step and the round alike.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_export.errors import ConfigError
+
+SPEC_MODES = ("chain", "marginal", "treeflash")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _configs(modes, tree_sizes, top_m, top_k, block) -> list[TreeConfig]:
+    out = [TreeConfig(mode="ar").resolved(block)]
+    for mode in modes:
+        if mode == "ar":
+            continue
+        if mode not in SPEC_MODES:
+            raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(SPEC_MODES + ('ar',))}")
+        sizes = [block] if mode == "chain" else tree_sizes
+        out += [TreeConfig(mode=mode, tree_size=n, top_m=top_m, top_k=top_k).resolved(block) for n in sizes]
+    return out
+
+
+def _time_rounds(runner, count: int) -> float:
+    """Seconds per call of runner.round(), which includes its one read-back."""
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    for _ in range(count):
+        runner.round()
+    _sync(runner.device)
+    return (time.perf_counter() - t0) / count
+
+
+def _host_syncs(runner) -> int | None:
+    """Synchronising calls in one round, as CUDA's sync-debug mode reports them (CUDA only)."""
+    if runner.device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.round()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _stage_times(runner, count: int) -> dict[str, float]:
+    """Milliseconds per stage, eagerly and synchronised around each stage (graphs off meanwhile)."""
+    graphs, runner.use_graphs = runner.use_graphs, False
+    runner.timer = {}
+    try:
+        for _ in range(count):
+            runner.round()
+        return {k: 1e3 * v / count for k, v in runner.timer.items()}
+    finally:
+        runner.timer, runner.use_graphs = None, graphs
+
+
+def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: int, warmup: int, top_m: int,
+                     top_k: int, tokens_per_round: float, device: str, dtype: str, cuda_graphs: bool,
+                     stages: bool, seed: int = 0, log=None) -> dict:
+    from treeflash_export.checkpoints import parse_dtype
+    from treeflash_export.presets import random_pair, weight_bytes
+    from treeflash_kernels.bench import measure_bandwidth
+
+    from .backends.torch_backend import TorchRunner
+    from .factory import pick_device
+
+    log = log or (lambda msg: None)
+    dev = torch.device(pick_device(device))
+    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32"))
+    if rounds < 1 or warmup < 0 or not prompt_lengths or min(prompt_lengths) < 1:
+        raise ConfigError("--rounds must be >= 1, --warmup >= 0 and every prompt length >= 1")
+    t0 = time.perf_counter()
+    verifier, drafter = random_pair(preset, device=dev, dtype=torch_dtype, seed=seed)
+    _sync(dev)
+    build_s = time.perf_counter() - t0
+    log(f"random {preset} pair built on {dev} in {build_s:.1f}s")
+    bw = measure_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 27, 20 if dev.type == "cuda" else 5)
+
+    block = drafter.cfg.block_size
+    lm_head = verifier.lm_head.weight
+    gb = {"verifier": weight_bytes(verifier), "drafter": weight_bytes(drafter.model),
+          "head": weight_bytes(drafter.ar_approximation), "lm_head": lm_head.numel() * lm_head.element_size()}
+
+    def floor_ms(mode: str) -> float:
+        read = gb["verifier"]
+        if mode != "ar":
+            read += gb["drafter"] + gb["lm_head"] + (gb["head"] if mode == "treeflash" else 0)
+        return 1e3 * read / bw
+
+    configs = _configs(modes, tree_sizes, top_m, top_k, block)
+    longest = max(c.tree_size for c in configs)
+    capacity = max(prompt_lengths) + (warmup + rounds + 2 + (3 if stages else 0)) * block + longest
+    t0 = time.perf_counter()
+    runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs, log=log)
+    gen = torch.Generator().manual_seed(seed)
+    greedy = SamplingConfig()
+    rows, capture_s = [], 0.0
+    for plen in prompt_lengths:
+        prompt = torch.randint(0, verifier.config.vocab_size, (plen,), generator=gen).to(dev)
+        ar_ms = None
+        for tree in configs:
+            t0 = time.perf_counter()
+            runner.begin(prompt, tree, greedy)  # the first begin of a setting also captures its graphs
+            _sync(dev)
+            first_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            runner.begin(prompt, tree, greedy)
+            _sync(dev)
+            prefill_s = time.perf_counter() - t0
+            capture_s += max(first_s - prefill_s, 0.0)
+            for _ in range(warmup):
+                runner.round()
+            ms = 1e3 * _time_rounds(runner, rounds)
+            row = {"mode": tree.mode, "tree_size": tree.tree_size, "top_m": tree.top_m, "top_k": tree.top_k,
+                   "prompt_tokens": plen, "ms_per_round": ms, "floor_ms": floor_ms(tree.mode),
+                   "prefill_ms": 1e3 * prefill_s, "host_syncs_per_round": _host_syncs(runner)}
+            row["ratio_to_floor"] = ms / row["floor_ms"]
+            if tree.mode == "ar":
+                ar_ms = ms
+            row["ratio_to_ar"] = ms / ar_ms
+            row["implied_speedup"] = tokens_per_round * ar_ms / ms if tree.mode != "ar" else 1.0
+            if stages:
+                row["stages_ms"] = _stage_times(runner, 3)
+            rows.append(row)
+            log(f"  P={plen} {tree.mode} N={tree.tree_size}: {ms:.2f} ms")
+    short = min(prompt_lengths)
+    by = {(r["mode"], r["tree_size"], r["prompt_tokens"]): r for r in rows}
+    for r in rows:
+        r["ratio_to_shortest_prompt"] = r["ms_per_round"] / by[r["mode"], r["tree_size"], short]["ms_per_round"]
+    return {
+        "preset": preset, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(torch_dtype).replace("torch.", ""), "cuda_graphs": runner.use_graphs,
+        "bandwidth_gbps": bw / 1e9, "weights_gb": {k: v / 1e9 for k, v in gb.items()},
+        "floor_ms": floor_ms("ar"), "tokens_per_round_assumed": tokens_per_round, "rounds_timed": rounds,
+        "startup_s": {"build_pair": build_s, "capture_graphs": capture_s}, "rows": rows,
+    }
+
+
+def format_random_report(rep: dict) -> str:
+    w = rep["weights_gb"]
+    lines = [
+        f"random {rep['preset']} pair on {rep['device']} ({rep['dtype']}, CUDA graphs {'on' if rep['cuda_graphs'] else 'off'})",
+        f"copy bandwidth {rep['bandwidth_gbps']:.0f} GB/s; weights: verifier {w['verifier']:.3f} GB, drafter "
+        f"{w['drafter']:.3f} GB, head {w['head']:.3f} GB, LM head {w['lm_head']:.3f} GB; "
+        f"plain-step floor {rep['floor_ms']:.3f} ms",
+        f"start-up: pair built in {rep['startup_s']['build_pair']:.1f}s, graphs captured in "
+        f"{rep['startup_s']['capture_graphs']:.1f}s; implied speed-up at {rep['tokens_per_round_assumed']:g} "
+        f"tokens/round (assumed)",
+    ]
+    head = (f"{'prompt':>6} {'mode':<10} {'N':>4} {'ms/round':>9} {'floor':>8} {'x floor':>8} {'x ar':>6} "
+            f"{'speed-up':>9} {'x short':>8} {'syncs':>5}")
+    lines += [head, "-" * len(head)]
+    for r in rep["rows"]:
+        syncs = "-" if r["host_syncs_per_round"] is None else str(r["host_syncs_per_round"])
+        lines.append(f"{r['prompt_tokens']:>6} {r['mode']:<10} {r['tree_size']:>4} {r['ms_per_round']:>9.3f} "
+                     f"{r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.2f}x {r['ratio_to_ar']:>5.2f}x "
+                     f"{r['implied_speedup']:>8.2f}x {r['ratio_to_shortest_prompt']:>7.2f}x {syncs:>5}")
+        if "stages_ms" in r:
+            lines.append("         stages (eager, synchronised): " +
+                         ", ".join(f"{k} {v:.2f} ms" for k, v in r["stages_ms"].items()))
+    return "\n".join(lines)
