@@ -62,3 +62,43 @@ def test_cuda_bf16_agrees_with_verifier_bf16(pair_dirs, mode):
         agree = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), len(ref))
         print(f"bf16 {mode}: {agree}/64 tokens agree")
         assert agree >= 32
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_replay_never_synchronises_and_equals_eager(pair_dirs, mode):
+    """A captured round replays with no host synchronisation (CUDA's sync-debug mode raises on one),
+    and graphs on and off give the same tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    d = pair_dirs["qwen3"]
+    pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.float32)
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    outs = []
+    for graphs in (True, False):
+        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, cuda_graphs=graphs)
+        outs.append(generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=48)).token_ids)
+        if graphs:
+            tree = TreeConfig(mode=mode, **SETTINGS).resolved(runner.block_size)
+            graph = runner._graphs[runner._graph_key(tree, SamplingConfig())]
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                graph()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("mode,temperature,top_p", [("treeflash", 1.0, 1.0), ("marginal", 0.7, 0.8)])
+def test_cuda_graph_sampling_matches_verifier_distribution(mode, temperature, top_p):
+    """The sampling test of test_sampling on the device-resident round, captured in CUDA graphs."""
+    import copy
+
+    from test_sampling import ALPHA, exact_distribution, gof_pvalue, make_small_vocab_pair, sample_counts
+
+    verifier, drafter = make_small_vocab_pair()
+    probs = exact_distribution(verifier, temperature, top_p)  # on the CPU copy
+    runner = TorchRunner(copy.deepcopy(verifier).cuda(), copy.deepcopy(drafter).cuda(), capacity=32)
+    assert runner.use_graphs
+    n = 1200
+    counts = sample_counts(runner, TreeConfig(mode=mode, tree_size=8, top_m=2, top_k=3), temperature, top_p, n)
+    assert gof_pvalue(counts, probs, n) > ALPHA

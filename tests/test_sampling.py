@@ -78,8 +78,7 @@ V, NEW = 6, 3
 PROMPT = [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def small_vocab_pair():
+def make_small_vocab_pair():
     vcfg = verifier_config("qwen3", V, hidden=32, layers=2, eos=0)
     vcfg.initializer_range = 0.6  # peaked distributions: drafts get accepted often
     torch.manual_seed(11)
@@ -88,6 +87,11 @@ def small_vocab_pair():
     drafter = TreeFlashDrafter(DrafterConfig.from_hf(dcfg))
     drafter.load_state_dict(random_drafter_state(dcfg, 5))
     return verifier, drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    return make_small_vocab_pair()
 
 
 def _filtered(p: torch.Tensor, top_p: float) -> torch.Tensor:
