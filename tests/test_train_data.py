@@ -248,4 +248,19 @@ def test_no_prompt_fitting_in_prompt_tokens_is_a_config_error(pair_dirs, tmp_pat
     with pytest.raises(ConfigError, match="no train prompt fits in --prompt-tokens 12; raise it"):
         train(str(pair_dirs["qwen3"] / "verifier"), tmp_path / "d", TrainConfig(prompt_tokens=12), log=lambda m: None,
               data_files=[data])
-    assert not (tmp_path / "d").exists()
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.work").exists()
+
+
+@pytest.mark.parametrize("name, message", [("missing.jsonl", "no such file"), ("notes.txt", "unsupported file type")])
+def test_train_refuses_an_unusable_data_file_in_one_line(pair_dirs, tmp_path, name, message):
+    from click.testing import CliRunner
+
+    from treeflash_export.cli import main
+
+    if name.endswith(".txt"):
+        (tmp_path / name).write_text("hello\n")
+    r = CliRunner().invoke(main, ["train", "--model", str(pair_dirs["qwen3"] / "verifier"), "--out",
+                                  str(tmp_path / "d"), "--data", str(tmp_path / name)])
+    last = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 2 and last.startswith("error: ") and message in last, r.output
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.work").exists()

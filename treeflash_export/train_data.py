@@ -202,10 +202,10 @@ def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: li
     same column as in corpus data."""
     from tqdm import tqdm
 
+    from_files = _file_prompts(data_files, tok, cfg, log) if data_files else None  # bad files: no work folder
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
-    from_files = _file_prompts(data_files, tok, cfg, log) if data_files else None
     data = {}
     for split, count in (("train", cfg.train_prompts), ("heldout", cfg.heldout_prompts)):
         stem = f"{split}-{cfg.data_key(verifier_key, split, source)}"

@@ -169,9 +169,14 @@ def content_hash(paths: list[Path]) -> str:
     """Names the files' contents in the data cache key (their order matters: it sets the split)."""
     h = hashlib.sha256()
     for path in paths:
-        with Path(path).open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        try:
+            with Path(path).open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        except FileNotFoundError:
+            raise ConfigError(f"--data {path}: no such file") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
         h.update(b"\0")
     return h.hexdigest()[:16]
 
