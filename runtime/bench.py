@@ -158,7 +158,7 @@ def _prompt_ids(source, tokenizer) -> list[list[int]]:
     if isinstance(source, tuple):  # ("heldout", count, length): the training corpus's held-out files
         import random
 
-        from treeflash_export.train import corpus_files, sample_prompts
+        from treeflash_export.train_data import corpus_files, sample_prompts
 
         _, count, length = source
         return sample_prompts(corpus_files()[1], tokenizer, count, length, random.Random(1234))
