@@ -83,7 +83,7 @@ def _stage_times(runner, count: int) -> dict[str, float]:
 
 def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: int, warmup: int, top_m: int,
                      top_k: int, tokens_per_round: float, device: str, dtype: str, cuda_graphs: bool,
-                     stages: bool, seed: int = 0, log=None) -> dict:
+                     stages: bool, compile_steps: bool = False, seed: int = 0, log=None) -> dict:
     from treeflash_export.checkpoints import parse_dtype
     from treeflash_export.presets import random_pair, weight_bytes
     from treeflash_kernels.bench import measure_bandwidth
@@ -118,7 +118,7 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
     longest = max(c.tree_size for c in configs)
     capacity = max(prompt_lengths) + (warmup + rounds + 2 + (3 if stages else 0)) * block + longest
     t0 = time.perf_counter()
-    runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs, log=log)
+    runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile_steps, log=log)
     gen = torch.Generator().manual_seed(seed)
     greedy = SamplingConfig()
     rows, capture_s = [], 0.0
@@ -146,7 +146,7 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
                 ar_ms = ms
             row["ratio_to_ar"] = ms / ar_ms
             row["implied_speedup"] = tokens_per_round * ar_ms / ms if tree.mode != "ar" else 1.0
-            if stages:
+            if stages and not compile_steps:  # the breakdown times the eager stages one by one
                 row["stages_ms"] = _stage_times(runner, 3)
             rows.append(row)
             log(f"  P={plen} {tree.mode} N={tree.tree_size}: {ms:.2f} ms")
@@ -156,7 +156,7 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
         r["ratio_to_shortest_prompt"] = r["ms_per_round"] / by[r["mode"], r["tree_size"], short]["ms_per_round"]
     return {
         "preset": preset, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "dtype": str(torch_dtype).replace("torch.", ""), "cuda_graphs": runner.use_graphs,
+        "dtype": str(torch_dtype).replace("torch.", ""), "cuda_graphs": runner.use_graphs, "compiled": compile_steps,
         "bandwidth_gbps": bw / 1e9, "weights_gb": {k: v / 1e9 for k, v in gb.items()},
         "floor_ms": floor_ms("ar"), "tokens_per_round_assumed": tokens_per_round, "rounds_timed": rounds,
         "startup_s": {"build_pair": build_s, "capture_graphs": capture_s}, "rows": rows,
@@ -166,7 +166,8 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
 def format_random_report(rep: dict) -> str:
     w = rep["weights_gb"]
     lines = [
-        f"random {rep['preset']} pair on {rep['device']} ({rep['dtype']}, CUDA graphs {'on' if rep['cuda_graphs'] else 'off'})",
+        f"random {rep['preset']} pair on {rep['device']} ({rep['dtype']}, CUDA graphs {'on' if rep['cuda_graphs'] else 'off'}"
+        f", {'compiled' if rep['compiled'] else 'eager kernels'})",
         f"copy bandwidth {rep['bandwidth_gbps']:.0f} GB/s; weights: verifier {w['verifier']:.3f} GB, drafter "
         f"{w['drafter']:.3f} GB, head {w['head']:.3f} GB, LM head {w['lm_head']:.3f} GB; "
         f"plain-step floor {rep['floor_ms']:.3f} ms",

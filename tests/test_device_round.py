@@ -181,6 +181,23 @@ def test_round_reads_no_host_value(load, mode, temperature):
         runner._prefill(torch.zeros(32, dtype=torch.long), torch.tensor(5))
 
 
+def test_compiled_steps_are_exact(load, monkeypatch, tmp_path):
+    """torch.compile wraps the steps from outside; plain decoding (the quickest to compile on a CPU)
+    still equals transformers' greedy output, and a second generation reuses the compiled code."""
+    from conftest import PROMPTS, hf_greedy
+
+    from treeflash_runtime import generate
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[1])["input_ids"]
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=96, compile=True)
+    for _ in range(2):
+        res = generate(runner, ids, TreeConfig(mode="ar"), SamplingConfig(max_new_tokens=24))
+        assert res.token_ids == hf_greedy(pair.verifier, ids, 24)
+    assert (tmp_path / "inductor").is_dir()
+
+
 # ---------------------------------------------------------------- memory
 
 

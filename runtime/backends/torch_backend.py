@@ -37,11 +37,12 @@ class DeviceState:
     draft_kv  [Ld, 2, Hkv, S', D] drafter context cache; slots < past_len - pending_count are filled
     past_len  [] int64            P, committed tokens
     root      [1] int64           the last emitted token: node 0 of the next tree, at position P
-    pending   [Lp, F]             verifier features of the tokens the last round committed (positions
+    pending   [B, F]              verifier features of the tokens the last round committed (positions
                                   P - pending_count ..), still to enter the drafter's cache
     pending_count [] int64
-    out       [Lp + 1] int64      out[0] = tokens gained by the last call, out[1:1 + out[0]] the tokens
-    S' = capacity + spare slots; Lp = the longest path a round can accept, min(N, B) (1 for plain decoding).
+    out       [B + 1] int64       out[0] = tokens gained by the last call, out[1:1 + out[0]] the tokens
+    S' = capacity + spare slots. A round accepts at most min(N, B) nodes (path_len), the rows of
+    pending and out that it uses.
     """
 
     kv: torch.Tensor
@@ -57,12 +58,14 @@ class TorchRunner(Runner):
     name = "torch"
 
     def __init__(self, verifier_hf, drafter=None, *, capacity: int, fused: bool = True,
-                 cuda_graphs: bool = True, log=None):
+                 cuda_graphs: bool = True, compile: bool = False, log=None):
         """verifier_hf: a Hugging Face causal LM; drafter: a TreeFlashDrafter or None (plain decoding only).
         fused: the TreeFlash head through torch.ops.treeflash.mlp_expand (the Triton kernels on CUDA,
         the PyTorch reference elsewhere) rather than the module composition.
         cuda_graphs: on CUDA, capture prefill passes, rounds and plain steps once each (per tree and
-        sampling setting) and replay them; ignored elsewhere. log: progress lines (graph capture)."""
+        sampling setting) and replay them; ignored elsewhere. compile: torch.compile the prefill pass,
+        the round and the plain step (Inductor fuses the elementwise work between the GEMMs), with its
+        cache under the project's cache folder. log: progress lines (graph capture)."""
         self.drafter = drafter
         self.fused = fused
         tap_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
@@ -83,6 +86,9 @@ class TorchRunner(Runner):
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
         self.generator = torch.Generator(device=self.device)
+        self.compiled = bool(compile)
+        if self.compiled:
+            self._compile_steps()
 
     # ------------------------------------------------------------------ state
 
@@ -94,14 +100,13 @@ class TorchRunner(Runner):
             c = self.drafter.cfg
             shapes["drafter cache"] = (c.num_layers, 2, c.num_kv_heads, slots, c.head_dim)
         caches = allocate_caches(shapes, self.dtype, dev, self.capacity)
-        self.max_path = self.block_size
         feat = len(v.tap_layer_ids) * v.hidden_size
         zero = torch.zeros((), dtype=torch.long, device=dev)
         return DeviceState(
             kv=caches["verifier cache"], draft_kv=caches.get("drafter cache"), past_len=zero.clone(),
             root=torch.zeros(1, dtype=torch.long, device=dev),
-            pending=torch.zeros(self.max_path, feat, dtype=self.dtype, device=dev), pending_count=zero.clone(),
-            out=torch.zeros(self.max_path + 1, dtype=torch.long, device=dev),
+            pending=torch.zeros(self.block_size, feat, dtype=self.dtype, device=dev), pending_count=zero.clone(),
+            out=torch.zeros(self.block_size + 1, dtype=torch.long, device=dev),
         )
 
     def _reset_state(self) -> None:
@@ -131,7 +136,7 @@ class TorchRunner(Runner):
                 count = part.shape[0]
                 run(torch.nn.functional.pad(part, (0, PREFILL_CHUNK - count)), torch.tensor(count, device=self.device))
         else:
-            self._prefill(prompt, torch.tensor(n, device=self.device), bound=n)
+            self._prefill(prompt, torch.tensor(n, device=self.device), bound=0 if self.compiled else n)
         self._host_past = n
         return self._emitted()[0]
 
@@ -140,8 +145,8 @@ class TorchRunner(Runner):
         step = self._ar_step if self.tree.mode == "ar" else self._round
         if self.use_graphs:
             self._graphs[self._graph_key(self.tree, self.sampling)]()
-        else:  # eager: the reference attention may stop at a bound the host knows
-            step(bound=self._host_past + max(self.tree.tree_size, self.block_size))
+        else:  # eager: the reference attention may stop at a bound the host knows (compiled: one shape)
+            step(bound=0 if self.compiled else self._host_past + max(self.tree.tree_size, self.block_size))
         gained = self._emitted()
         self._host_past += len(gained)
         return gained
@@ -244,7 +249,19 @@ class TorchRunner(Runner):
         st.past_len += tau
         st.root.copy_(bonus.reshape(1))
 
-    # ------------------------------------------------------------------ CUDA graphs and timing
+    # ------------------------------------------------------------------ compilation, CUDA graphs, timing
+
+    def _compile_steps(self) -> None:
+        """Wraps the three step functions from outside (the model code stays eager and readable).
+        Shapes are static per tree setting, so each setting compiles once; Inductor's cache lives
+        under the project's cache folder (TREEFLASH_CACHE), so a second start reuses it."""
+        import os
+
+        from treeflash_export.smollm import cache_root
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        for name in ("_prefill", "_round", "_ar_step"):
+            setattr(self, name, torch.compile(getattr(self, name), dynamic=False))
 
     @contextlib.contextmanager
     def _stage(self, name: str):
