@@ -33,9 +33,11 @@ if TYPE_CHECKING:
     from .train import TrainConfig
 
 # Names the chat caches together with the settings: bump it when the styles or the cleaning change.
-CHAT_RECIPE = 1
+CHAT_RECIPE = 2
 MIN_WORDS, MAX_CHARS = 4, 400
-REJECTIONS = ("unfinished", "empty", "too short", "too long", "over --prompt-tokens")
+REJECTIONS = ("unfinished", "empty", "too short", "too long", "echo", "over --prompt-tokens")
+# Stage 1's system turn: a small verifier otherwise often answers the request, or plays the assistant.
+WRITER = "You write one message that a user would send to an AI assistant. You never answer it."
 _LABEL = re.compile(r"^\W*(question|instruction|request|prompt|user|task)\s*\d*\s*:\s*", re.IGNORECASE)
 
 
@@ -105,12 +107,18 @@ def stop_ids(tok) -> set[int]:
     return ids
 
 
-def clean_instruction(ids: list[int], tok, stops: set[int]) -> tuple[str | None, str]:
+def _shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def clean_instruction(ids: list[int], tok, stops: set[int], ask: str = "") -> tuple[str | None, str]:
     """(instruction, "") or (None, the rejection reason, one of REJECTIONS).
 
     The text is cut at the first end-of-turn token (none within the budget: "unfinished"), and
     loses surrounding whitespace and quotes and a leading label ("Question:"). It must keep at
-    least MIN_WORDS words and at most MAX_CHARS characters."""
+    least MIN_WORDS words and at most MAX_CHARS characters, and must not repeat five words in a
+    row of the request's own wording `ask` ("echo": the verifier restating what it was asked)."""
     cut = next((i for i, t in enumerate(ids) if t in stops), None)
     if cut is None:
         return None, "unfinished"
@@ -122,6 +130,9 @@ def clean_instruction(ids: list[int], tok, stops: set[int]) -> tuple[str | None,
         return None, "too short"
     if len(text) > MAX_CHARS:
         return None, "too long"
+    fixed = re.sub(r"\{\w+\}", " | ", ask)  # the request's wording, not the seed's
+    if _shingles(text) & set().union(*(_shingles(part) for part in fixed.split("|"))):
+        return None, "echo"
     return text, ""
 
 
@@ -154,7 +165,7 @@ def _generate_candidates(verifier, tok, source: str, split: str, seeds: list[See
     if len(mine):
         index = range(first + mine.start, first + mine.stop)
         asks = [render(Prompt(f"{source} {split} candidate {i}", messages=(
-            ("user", style_of(source, i).ask.format(topic=s.topic, text=s.text)),)), tok)
+            ("system", WRITER), ("user", style_of(source, i).ask.format(topic=s.topic, text=s.text)))), tok)
             for i, s in zip(index, seeds[mine.start : mine.stop])]
         bar = tqdm(total=len(asks) * cfg.instruction_tokens, desc=f"verifier instructions ({source}, {split})",
                    unit="tok", leave=False, disable=not world.main)
@@ -177,6 +188,7 @@ def chat_prompts(verifier, tok, verifier_key: str, source: str, split: str, coun
     Candidates are generated in rounds sized to what is still missing, and cached (raw, before
     cleaning) in `work`, so an interrupted or larger run regenerates none of them."""
     stem = f"instructions-{source}-{split}-{instruction_key(verifier_key, source, split, cfg)}"
+    Path(work).mkdir(parents=True, exist_ok=True)
     path = Path(work) / f"{stem}.pt"
     raw: list[list[int]] = torch.load(path) if path.exists() else []
     stream, seeds = seed_stream(source, split, cfg.seed), []
@@ -202,9 +214,9 @@ def chat_prompts(verifier, tok, verifier_key: str, source: str, split: str, coun
         while len(seeds) <= i:
             seeds.append(next(stream))
         out.candidates += 1
-        text, reason = clean_instruction(raw[i], tok, stops)
+        style = style_of(source, i)
+        text, reason = clean_instruction(raw[i], tok, stops, style.ask)
         if text is not None:
-            style = style_of(source, i)
             turn = user_turn(text, seeds[i], style)
             ids = render(Prompt(f"{source} {split} candidate {i}", messages=(("user", turn),)), tok)
             if len(ids) <= cfg.prompt_tokens:

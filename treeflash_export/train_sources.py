@@ -71,6 +71,8 @@ def resolve_mix(mix: str, has_files: bool) -> dict[str, float]:
 
 def mix_text(mix: dict[str, float], has_files: bool) -> str:
     """The mix as stored in the training config: "" for the default, else 'name:weight,...'."""
+    if len(mix) == 1:  # one source takes every prompt, whatever its weight
+        mix = dict.fromkeys(mix, 1.0)
     if mix == resolve_mix("", has_files):
         return ""
     return ",".join(f"{name}:{weight:g}" for name, weight in mix.items())
@@ -120,8 +122,6 @@ def _one_line(text: str) -> str:
 @lru_cache(maxsize=None)
 def module_summary(path: Path) -> Seed | None:
     """(dotted module name, first paragraph of its docstring), or None when it has no usable one."""
-    from .train_data import stdlib_root
-
     try:
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8", errors="ignore")))
     except (SyntaxError, ValueError):
@@ -129,10 +129,15 @@ def module_summary(path: Path) -> Seed | None:
     summary = _one_line((doc or "").strip().split("\n\n")[0])[:300]
     if len(summary.split()) < 3:  # "ast ~~~", "Stuff": no topic to ask about
         return None
-    root = stdlib_root()
-    parts = path.relative_to(root).with_suffix("").parts
-    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-    return Seed(name, summary)
+    return Seed(module_name(path), summary)
+
+
+def module_name(path: Path) -> str:
+    """'<stdlib>/json/__init__.py' -> 'json', '<stdlib>/asyncio/tasks.py' -> 'asyncio.tasks'."""
+    from .train_data import stdlib_root
+
+    parts = path.relative_to(stdlib_root()).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def prose_works() -> tuple[list[Path], list[Path]]:
