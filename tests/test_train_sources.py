@@ -132,6 +132,10 @@ def test_module_summaries_are_first_docstring_paragraphs():
     ('Instruction: ""<|im_end|>', (None, "empty")),
     ("Explain json.<|im_end|>", (None, "too short")),
     ("Explain " + "very " * 100 + "much.<|im_end|>", (None, "too long")),
+    ("Sure! Here is a question about json: how fast is it?<|im_end|>", (None, "answer-like")),
+    ("I'm ready to assist you. What is your question?<|im_end|>", (None, "answer-like")),
+    ("I need a Python function that parses JSON files.<|im_end|>", ("I need a Python function that parses JSON files.",
+                                                                    "")),
     # The request's wording restated (five words in a row), but not the seed's words.
     ("Write one question a Python beginner could ask about json<|im_end|>", (None, "echo")),
     ("Is the module `json` described as: JSON (JavaScript Object Notation) fast?<|im_end|>",

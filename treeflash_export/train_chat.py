@@ -33,12 +33,15 @@ if TYPE_CHECKING:
     from .train import TrainConfig
 
 # Names the chat caches together with the settings: bump it when the styles or the cleaning change.
-CHAT_RECIPE = 2
+CHAT_RECIPE = 3
 MIN_WORDS, MAX_CHARS = 4, 400
-REJECTIONS = ("unfinished", "empty", "too short", "too long", "echo", "over --prompt-tokens")
+REJECTIONS = ("unfinished", "empty", "too short", "too long", "echo", "answer-like", "over --prompt-tokens")
 # Stage 1's system turn: a small verifier otherwise often answers the request, or plays the assistant.
 WRITER = "You write one message that a user would send to an AI assistant. You never answer it."
 _LABEL = re.compile(r"^\W*(question|instruction|request|prompt|user|task)\s*\d*\s*:\s*", re.IGNORECASE)
+# Openings of an assistant's reply, not of a user's message (the verifier slipping into its usual role).
+_ANSWER = re.compile(r"^(sure|certainly|of course|here('s| is| are)|i('m| am) (ready|here|happy|glad)|i('ll| will)"
+                     r"|as an ai|in order to)\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,9 @@ def clean_instruction(ids: list[int], tok, stops: set[int], ask: str = "") -> tu
 
     The text is cut at the first end-of-turn token (none within the budget: "unfinished"), and
     loses surrounding whitespace and quotes and a leading label ("Question:"). It must keep at
-    least MIN_WORDS words and at most MAX_CHARS characters, and must not repeat five words in a
-    row of the request's own wording `ask` ("echo": the verifier restating what it was asked)."""
+    least MIN_WORDS words and at most MAX_CHARS characters, must not repeat five words in a row
+    of the request's own wording `ask` ("echo": the verifier restating what it was asked) and must
+    not open like an assistant's reply ("answer-like": "Sure, ...", "I'm ready to ...")."""
     cut = next((i for i, t in enumerate(ids) if t in stops), None)
     if cut is None:
         return None, "unfinished"
@@ -130,6 +134,8 @@ def clean_instruction(ids: list[int], tok, stops: set[int], ask: str = "") -> tu
         return None, "too short"
     if len(text) > MAX_CHARS:
         return None, "too long"
+    if _ANSWER.match(text):
+        return None, "answer-like"
     fixed = re.sub(r"\{\w+\}", " | ", ask)  # the request's wording, not the seed's
     if _shingles(text) & set().union(*(_shingles(part) for part in fixed.split("|"))):
         return None, "echo"
