@@ -1,9 +1,10 @@
 """`treeflash-export train`: a DFlash-style drafter and the TreeFlash head for a given verifier.
 
 Data (train_data.py): the verifier's own continuations of prompts, from Python's
-standard-library sources by default or from the user's JSON Lines / Parquet files (`--data`,
-train_files.py), generated in batches once and cached together with the tapped hidden states
-the drafter reads.
+standard-library sources by default, from chat instructions the verifier writes about offline
+seed texts (`--source` / `--mix`, train_sources.py and train_chat.py) or from the user's JSON
+Lines / Parquet files (`--data`, train_files.py), generated in batches once and cached together
+with the tapped hidden states the drafter reads.
 
 Loss: for random anchors a (several per sequence, trained in one call under DFlash's block
 mask), the block [x_a, MASK x (B-1)] must predict
@@ -305,7 +306,8 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
 
     `device` runs data generation and training there (fp32 weights; bf16 autocast on CUDA); the
     cached data and the checkpoints are device-independent, so a run may resume on another device.
-    `data_files` (--data) replaces the standard-library prompts (train_files.py).
+    `data_files` (--data) are the source `data` of cfg.mix; alone they replace the standard-library
+    prompts (train_files.py). cfg.mix is stored normalised ("" for the default mix).
 
     Under torchrun (WORLD_SIZE > 1) every process joins a DistributedDataParallel group (see
     distributed.py); each step's global batch is batch_size x processes x grad_accum sequences,

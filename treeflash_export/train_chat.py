@@ -33,12 +33,12 @@ if TYPE_CHECKING:
     from .train import TrainConfig
 
 # Names the chat caches together with the settings: bump it when the styles or the cleaning change.
-CHAT_RECIPE = 3
+CHAT_RECIPE = 4
 MIN_WORDS, MAX_CHARS = 4, 400
 REJECTIONS = ("unfinished", "empty", "too short", "too long", "echo", "answer-like", "over --prompt-tokens")
 # Stage 1's system turn: a small verifier otherwise often answers the request, or plays the assistant.
 WRITER = "You write one message that a user would send to an AI assistant. You never answer it."
-_LABEL = re.compile(r"^\W*(question|instruction|request|prompt|user|task)\s*\d*\s*:\s*", re.IGNORECASE)
+_LABEL = re.compile(r"^\W*(question|instruction|request|prompt|user|task|answer)\s*\d*\s*:\s*", re.IGNORECASE)
 # Openings of an assistant's reply, not of a user's message (the verifier slipping into its usual role).
 _ANSWER = re.compile(r"^(sure|certainly|of course|here('s| is| are)|i('m| am) (ready|here|happy|glad)|i('ll| will)"
                      r"|as an ai|in order to)\b", re.IGNORECASE)
@@ -83,9 +83,10 @@ STYLES: dict[str, tuple[Style, ...]] = {
         Style("explain", _PASSAGE + "Write one instruction asking an assistant to explain what a passage means and "
               "who is speaking. Do not quote the passage." + _ONLY.format(what="instruction"), True,
               "Explain what this passage from {topic} means:"),
+        # The passage follows every prose message: a question "about this passage" needs it.
         Style("answer", _PASSAGE + "Write one question about the characters, events or themes of {topic} that "
-              "this passage brings to mind." + _ONLY.format(what="question"), False,
-              "What are the main themes of {topic}?"),
+              "this passage brings to mind." + _ONLY.format(what="question"), True,
+              "What does this passage from {topic} tell us about its characters?"),
     ),
 }
 

@@ -1,11 +1,12 @@
 """Training data: the verifier's own continuations of prompts, with the tapped hidden states.
 
-Prompts come from Python's standard-library sources (the default: windows cut at line starts,
-every tenth file held out) or from the user's files (`--data`, read by train_files.py). The
-verifier continues them in batches with a preallocated cache, greedily or sampled
-(`--gen-temperature`), and each split is cached in the work folder under a key of every setting
-that changes it, one file per prompt count, so a later run with more prompts generates only the
-new sequences. Under torchrun every rank generates a share of the missing sequences at once and
+Prompts come from the sources of the mix (train_sources.py): Python's standard-library sources
+(the default: windows cut at line starts, every tenth file held out), chat turns the verifier
+writes itself about offline seed texts (train_chat.py), or the user's files (`--data`, read by
+train_files.py). The verifier continues them in batches with a preallocated cache, greedily or
+sampled (`--gen-temperature`), and each source's split is cached in the work folder under a key
+of every setting that changes it, one file per prompt count, so a later run with more prompts
+generates only the new sequences. Under torchrun every rank generates a share of the missing sequences at once and
 rank 0 joins the shares into the cache, which does not depend on the number of processes.
 """
 
@@ -124,8 +125,9 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
         pos = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
         # A preallocated cache: a growing one is copied whole at every step.
         cache = StaticCache(config=verifier.config, max_cache_len=longest + new_tokens)
-        out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=keep_taps, logits_to_keep=1,
-                       cache_position=torch.arange(longest, device=dev), attention_mask=mask, position_ids=pos)
+        out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=keep_taps,
+                       logits_to_keep=1, cache_position=torch.arange(longest, device=dev), attention_mask=mask,
+                       position_ids=pos)
         seq, feat = [ids], [taps(out, longest)]
         for step, cache_pos in enumerate(range(longest, longest + new_tokens)):
             nxt = next_tokens(out.logits[:, -1], temperature, gens)
