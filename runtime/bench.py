@@ -67,7 +67,10 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable). [default: three built-in prompts]")
 @click.option("--heldout-prompts", type=int, default=0,
               help="Instead, K prompts cut from the held-out part of the training corpus (never trained on).")
-@click.option("--prompt-tokens", type=int, default=48, help="Length of each held-out prompt in tokens.")
+@click.option("--heldout-domain", type=click.Choice(["code", "chat-stdlib", "chat-prose"]), default="code",
+              help="With --heldout-prompts: the training source they come from; chat domains are chat-templated "
+                   "requests about held-out modules or Shakespeare passages.")
+@click.option("--prompt-tokens", type=int, default=48, help="Length of each held-out code prompt in tokens.")
 @click.option("--max-new-tokens", type=int, default=64)
 @click.option("--max-seq-len", type=int, default=None)
 @click.option("--repeat", type=int, default=1, help="Timed repetitions per prompt (after one warm-up).")
@@ -94,8 +97,8 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (eagerly, synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
-         prompt_tokens, max_new_tokens, max_seq_len, repeat, device, as_json, server, concurrency, requests,
-         preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, stages):
+         heldout_domain, prompt_tokens, max_new_tokens, max_seq_len, repeat, device, as_json, server, concurrency,
+         requests, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
     Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
@@ -112,7 +115,8 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
                       requests, as_json)
         return
     try:
-        source = ("heldout", heldout_prompts, prompt_tokens) if heldout_prompts else list(prompts) or list(DEFAULT_PROMPTS)
+        source = (("heldout", heldout_prompts, prompt_tokens, heldout_domain) if heldout_prompts
+                  else list(prompts) or list(DEFAULT_PROMPTS))
         report = run_bench(artifacts, model, drafter, _split(backends), modes,
                            [int(n) for n in _split(tree_sizes)], dict(top_m=top_m, top_k=top_k), source,
                            max_new_tokens, max_seq_len, repeat, device)
@@ -158,12 +162,16 @@ def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, reque
 
 
 def _prompt_ids(source, tokenizer) -> list[list[int]]:
-    if isinstance(source, tuple):  # ("heldout", count, length): the training corpus's held-out files
+    if isinstance(source, tuple):  # ("heldout", count, length, domain): held-out material of a training source
         import random
 
         from treeflash_export.train_data import corpus_files, sample_prompts
 
-        _, count, length = source
+        _, count, length, domain = source
+        if domain != "code":
+            from treeflash_export.train_chat import heldout_prompts
+
+            return heldout_prompts(domain, tokenizer, count)
         return sample_prompts(corpus_files()[1], tokenizer, count, length, random.Random(1234))
     return [tokenizer(p)["input_ids"] for p in source]
 

@@ -109,6 +109,18 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
               help="Prompts from a JSON Lines or Parquet file (repeatable): records with a prompt or text "
                    "field, OpenAI messages or ShareGPT conversations. Every tenth record is held out. "
                    "[default: prompts cut from Python's standard-library sources]")
+@click.option("--source", "sources", multiple=True, metavar="NAME[,NAME...]",
+              help="Where training prompts come from (repeatable or a comma list), in equal shares: code "
+                   "(standard-library source windows), chat-stdlib / chat-prose (chat turns the verifier writes "
+                   "about standard-library modules / Shakespeare passages, offline), data (the --data files). "
+                   "[default: code, or data with --data]")
+@click.option("--mix", default=_T.mix, metavar="NAME:WEIGHT,...",
+              help="Instead of --source: the sources and their shares of --train-prompts and --heldout-prompts, "
+                   "e.g. code:0.4,chat-stdlib:0.3,chat-prose:0.3 (relative weights).")
+@click.option("--instruction-tokens", type=int, default=_T.instruction_tokens,
+              help="Chat sources: the most tokens of an instruction the verifier writes (longer ones are rejected).")
+@click.option("--instruction-temperature", type=float, default=_T.instruction_temperature,
+              help="Chat sources: 0 = greedy instructions; > 0 sampled at this temperature (seeded per candidate).")
 @click.option("--eval-every", type=int, default=_T.eval_every)
 @click.option("--save-every", type=int, default=_T.save_every)
 @click.option("--seed", type=int, default=_T.seed)
@@ -116,10 +128,10 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--device", default="cpu", show_default=True,
               help="Where data generation and training run: cpu or cuda[:N]. Cached data and checkpoints "
                    "do not depend on it.")
-def train_cmd(model, out, work, resume, plot, device, data_files, **options):
+def train_cmd(model, out, work, resume, plot, device, data_files, sources, mix, **options):
     """Train a DFlash-style drafter plus the TreeFlash head for a verifier, on the verifier's own
-    continuations of prompts cut from Python's standard-library sources (offline) or read from
-    --data files.
+    continuations of prompts cut from Python's standard-library sources, of chat instructions it
+    writes itself about offline seed texts (--source / --mix), or of prompts read from --data files.
 
     Several processes: `torchrun --nproc-per-node G -m treeflash_export.cli train ...` trains
     with DistributedDataParallel (gloo on the CPU, nccl with --device cuda: one GPU per process)."""
@@ -133,6 +145,7 @@ def train_cmd(model, out, work, resume, plot, device, data_files, **options):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
+        options["mix"] = _mix_option(sources, mix)
         name = model
         if model is None:
             from .smollm import default_verifier
@@ -148,6 +161,17 @@ def train_cmd(model, out, work, resume, plot, device, data_files, **options):
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     click.echo(str(path))
+
+
+def _mix_option(sources: tuple[str, ...], mix: str) -> str:
+    """--source a --source b,c is the mix 'a,b,c' (equal shares); --mix gives the shares itself."""
+    from .errors import ConfigError
+    from .train_sources import parse_mix
+
+    names = ",".join(sources)
+    if names and mix and set(parse_mix(names)) != set(parse_mix(mix)):
+        raise ConfigError("--source and --mix name different sources; --mix alone is enough")
+    return mix or names
 
 
 @main.command("tiny-pair")

@@ -1,9 +1,10 @@
 """`treeflash-export train`: a DFlash-style drafter and the TreeFlash head for a given verifier.
 
 Data (train_data.py): the verifier's own continuations of prompts, from Python's
-standard-library sources by default or from the user's JSON Lines / Parquet files (`--data`,
-train_files.py), generated in batches once and cached together with the tapped hidden states
-the drafter reads.
+standard-library sources by default, from chat instructions the verifier writes about offline
+seed texts (`--source` / `--mix`, train_sources.py and train_chat.py) or from the user's JSON
+Lines / Parquet files (`--data`, train_files.py), generated in batches once and cached together
+with the tapped hidden states the drafter reads.
 
 Loss: for random anchors a (several per sequence, trained in one call under DFlash's block
 mask), the block [x_a, MASK x (B-1)] must predict
@@ -49,6 +50,11 @@ class TrainConfig:
     continuation_tokens: int = 96
     gen_batch: int = 256
     gen_temperature: float = 0.0  # 0: greedy continuations; > 0: sampled, seeded per prompt
+    # Training sources and their shares ("name:weight,..."; train_sources.py). "" = the default:
+    # code, or the --data files when given. train() stores it normalised, so resumes compare it.
+    mix: str = ""
+    instruction_tokens: int = 48  # chat sources: the budget of each instruction the verifier writes
+    instruction_temperature: float = 0.7  # chat sources: 0 = greedy instructions; > 0 sampled, seeded
     steps: int = 4800
     batch_size: int = 8  # sequences per micro-batch and process
     grad_accum: int = 1  # micro-batches per optimiser step (global batch = batch_size x processes x this)
@@ -74,17 +80,28 @@ class TrainConfig:
             raise ConfigError("--loss-vocab must be data or full")
         if not self.gen_temperature >= 0:
             raise ConfigError("--gen-temperature must be >= 0 (0 = greedy)")
+        if self.instruction_tokens < 1:
+            raise ConfigError("--instruction-tokens must be >= 1")
+        if not self.instruction_temperature >= 0:
+            raise ConfigError("--instruction-temperature must be >= 0 (0 = greedy)")
+        if self.mix:
+            from .train_sources import parse_mix
 
-    def data_key(self, verifier: str, split: str, source: str = "") -> str:
-        """Names the cached data of one split. The prompt count is not part of it: a cache of
-        more or fewer prompts of the same stream is reused for its leading prompts.
+            parse_mix(self.mix)
 
-        `source` is the content hash of --data files ("" = the standard-library corpus). Fields
-        are appended only when they differ from the original greedy corpus data, whose caches
-        keep their names."""
+    def data_key(self, verifier: str, split: str, source: str = "", *, chat: tuple = ()) -> str:
+        """Names the cached data of one source's split. The prompt count is not part of it: a cache
+        of more or fewer prompts of the same stream is reused for its leading prompts; nor is the
+        mix, which only decides how many prompts each source gives.
+
+        `source` is the content hash of --data files ("" = the standard-library code); `chat` the
+        settings of a chat source (train_data._source_split). Fields are appended only when they
+        differ from the original greedy code data, whose caches keep their names."""
         fields = (verifier, self.num_taps, split, self.prompt_tokens, self.continuation_tokens, self.seed)
         if source:
             fields += ("files", source)
+        if chat:
+            fields += ("chat", *chat)
         if self.gen_temperature:
             fields += ("temperature", self.gen_temperature)
         return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
@@ -289,7 +306,8 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
 
     `device` runs data generation and training there (fp32 weights; bf16 autocast on CUDA); the
     cached data and the checkpoints are device-independent, so a run may resume on another device.
-    `data_files` (--data) replaces the standard-library prompts (train_files.py).
+    `data_files` (--data) are the source `data` of cfg.mix; alone they replace the standard-library
+    prompts (train_files.py). cfg.mix is stored normalised ("" for the default mix).
 
     Under torchrun (WORLD_SIZE > 1) every process joins a DistributedDataParallel group (see
     distributed.py); each step's global batch is batch_size x processes x grad_accum sequences,
@@ -300,7 +318,11 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     from .distributed import joined
     from .train_files import content_hash
 
+    from .train_sources import mix_text, resolve_mix
+
     cfg.validate()
+    data_files = [Path(p) for p in data_files]
+    cfg = dataclasses.replace(cfg, mix=mix_text(resolve_mix(cfg.mix, bool(data_files)), bool(data_files)))
     out = Path(out)
     work = Path(work) if work else out.with_name(out.name + ".work")  # prepare_data creates it
     ckpt_path = work / "last.pt"
@@ -308,7 +330,6 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
         raise ConfigError(f"{ckpt_path} exists from an earlier run: pass --resume to continue it, "
                           f"or remove {work}")
     dev = _training_device(device)
-    data_files = [Path(p) for p in data_files]
     source = content_hash(data_files) if data_files else ""
     with joined(dev) as (world, dev):
         return _train(verifier_path, out, cfg, resume, work, log if world.main else (lambda m: None),
@@ -431,11 +452,9 @@ def _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name, data
     """The drafter, in the released TreeFlash layout, written atomically (fp16 weights)."""
     from safetensors.torch import save_file
 
-    if data_files:
-        corpus = {"files": [str(p) for p in data_files], "sha256": source,
-                  "heldout": "every tenth usable record"}
-    else:
-        corpus = "Python standard library sources (every tenth file held out)"
+    from .train_sources import describe
+
+    corpus = describe(cfg.mix, [str(p) for p in data_files], source)
     with atomic_folder(out) as tmp:
         hf_cfg.torch_dtype = "float16"
         hf_cfg.save_pretrained(tmp)
@@ -444,7 +463,7 @@ def _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name, data
         (tmp / "training.json").write_text(json.dumps(
             {"config": dataclasses.asdict(cfg), "verifier": verifier_name, "history": history,
              "processes": world.size, "global_batch": global_batch,
-             "data": {"corpus": corpus,
+             "data": {**corpus,
                       "train_tokens": int(data["train"]["tokens"].numel()),
                       "heldout_tokens": int(data["heldout"]["tokens"].numel())}}, indent=1) + "\n")
 

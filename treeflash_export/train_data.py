@@ -1,11 +1,12 @@
 """Training data: the verifier's own continuations of prompts, with the tapped hidden states.
 
-Prompts come from Python's standard-library sources (the default: windows cut at line starts,
-every tenth file held out) or from the user's files (`--data`, read by train_files.py). The
-verifier continues them in batches with a preallocated cache, greedily or sampled
-(`--gen-temperature`), and each split is cached in the work folder under a key of every setting
-that changes it, one file per prompt count, so a later run with more prompts generates only the
-new sequences. Under torchrun every rank generates a share of the missing sequences at once and
+Prompts come from the sources of the mix (train_sources.py): Python's standard-library sources
+(the default: windows cut at line starts, every tenth file held out), chat turns the verifier
+writes itself about offline seed texts (train_chat.py), or the user's files (`--data`, read by
+train_files.py). The verifier continues them in batches with a preallocated cache, greedily or
+sampled (`--gen-temperature`), and each source's split is cached in the work folder under a key
+of every setting that changes it, one file per prompt count, so a later run with more prompts
+generates only the new sequences. Under torchrun every rank generates a share of the missing sequences at once and
 rank 0 joins the shares into the cache, which does not depend on the number of processes.
 """
 
@@ -27,11 +28,16 @@ if TYPE_CHECKING:
     from .train import TrainConfig
 
 
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) of the standard library, every tenth file held out."""
+def stdlib_root() -> Path:
+    """The folder of Python's standard-library sources (present on every machine)."""
     import json as _json
 
-    root = Path(_json.__file__).resolve().parent.parent
+    return Path(_json.__file__).resolve().parent.parent
+
+
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of the standard library, every tenth file held out."""
+    root = stdlib_root()
     files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts
                    and p.stat().st_size > 2000)
     return [f for i, f in enumerate(files) if i % 10], [f for i, f in enumerate(files) if i % 10 == 0]
@@ -88,7 +94,7 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
     rows are stored left-padded to `width` prompt columns (token pad_id, features 0) and "pad"
     holds each row's count of padding columns; without it all prompts must have one length
     (the corpus data, stored without "pad"). temperature > 0 samples, prompt i drawing from its
-    own generator seeded by seeds[i]; 0 is greedy."""
+    own generator seeded by seeds[i]; 0 is greedy. With no tap_ids the features are empty ([.., 0])."""
     from transformers import StaticCache
 
     lengths = [len(p) for p in prompts]
@@ -101,8 +107,11 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
     tokens, feats, pads = [], [], []
     total, done = len(prompts) * new_tokens, 0
     dev = verifier.device
+    keep_taps = bool(tap_ids)
 
-    def taps(out):
+    def taps(out, positions: int):
+        if not keep_taps:  # instructions (train_chat.py): the tokens alone, no hidden states kept
+            return torch.zeros(len(out.logits), positions, 0, dtype=torch.float16, device=dev)
         return torch.cat([out.hidden_states[t + 1] for t in tap_ids], dim=-1).to(torch.float16)
 
     for i in range(0, len(prompts), batch):
@@ -116,19 +125,20 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
         pos = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
         # A preallocated cache: a growing one is copied whole at every step.
         cache = StaticCache(config=verifier.config, max_cache_len=longest + new_tokens)
-        out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1,
-                       cache_position=torch.arange(longest, device=dev), attention_mask=mask, position_ids=pos)
-        seq, feat = [ids], [taps(out)]
+        out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=keep_taps,
+                       logits_to_keep=1, cache_position=torch.arange(longest, device=dev), attention_mask=mask,
+                       position_ids=pos)
+        seq, feat = [ids], [taps(out, longest)]
         for step, cache_pos in enumerate(range(longest, longest + new_tokens)):
             nxt = next_tokens(out.logits[:, -1], temperature, gens)
             seq.append(nxt)
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
                 pos = pos[:, -1:] + 1
-            out = verifier(nxt, past_key_values=cache, use_cache=True, output_hidden_states=True,
+            out = verifier(nxt, past_key_values=cache, use_cache=True, output_hidden_states=keep_taps,
                            cache_position=torch.tensor([cache_pos], device=dev), attention_mask=mask,
                            position_ids=pos)
-            feat.append(taps(out))
+            feat.append(taps(out, 1))
             done += len(ids)
             if progress:
                 progress(done, total)
@@ -162,7 +172,7 @@ def _cached_rows(work: Path, stem: str, prompts: torch.Tensor, log: Callable[[st
     return None, None
 
 
-def _join_shares(new: dict | None, work: Path, stem: str, world: World, total: int) -> dict | None:
+def join_shares(new: dict | None, work: Path, stem: str, world: World, total: int) -> dict | None:
     """Rank 0 gets every rank's newly generated rows, in rank order; the other ranks get None.
     Shares travel through the work folder (one machine or a shared file system), as the cache does."""
     if world.size == 1:
@@ -180,74 +190,112 @@ def _join_shares(new: dict | None, work: Path, stem: str, world: World, total: i
     return {k: torch.cat([s[k] for s in shares]) for k in shares[0]}
 
 
-def _file_prompts(data_files: list[Path], tok, cfg: TrainConfig, log) -> dict[str, list[list[int]]]:
+def _file_prompts(data_files: list[Path], tok, cfg: TrainConfig, counts: dict[str, int],
+                  log) -> dict[str, list[list[int]]]:
     from .train_files import load_prompts, split_heldout, tokenise
 
     train, held = split_heldout(load_prompts(data_files, log))
-    return {"train": tokenise(train, tok, cfg.prompt_tokens, cfg.train_prompts, "train", log),
-            "heldout": tokenise(held, tok, cfg.prompt_tokens, cfg.heldout_prompts, "heldout", log)}
+    return {"train": tokenise(train, tok, cfg.prompt_tokens, counts["train"], "train", log),
+            "heldout": tokenise(held, tok, cfg.prompt_tokens, counts["heldout"], "heldout", log)}
 
 
 def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: list[int], work: Path,
                  log: Callable[[str], None] = print, *, data_files: list[Path] = (), source: str = "",
                  world: World = World()) -> dict:
-    """The training and held-out data, generated once and cached in `work`, one file per split
-    named by every setting that changes it and by its prompt count.
+    """The training and held-out data, generated once and cached in `work`, one file per source
+    and split named by every setting that changes it and by its prompt count.
 
-    Corpus prompts: each split draws its prompts from its own seeded stream, so a run with more
-    prompts than an earlier one generates only the new sequences (and one with fewer reuses a
-    leading slice). File prompts (`data_files`, whose content hash is `source`): the first
-    --train-prompts / --heldout-prompts of each split that fit in --prompt-tokens, stored
-    left-padded to --prompt-tokens columns (see generate_data), so the continuation starts at the
-    same column as in corpus data."""
-    from tqdm import tqdm
+    The mix (cfg.mix, train_sources.py) shares --train-prompts and --heldout-prompts among the
+    sources; each source's rows come from its own cache and the splits are their concatenation.
+    When any source stores left-padded rows, code rows get a padding count of 0."""
+    from .train_sources import allocate, prose_works, resolve_mix
 
-    from_files = _file_prompts(data_files, tok, cfg, log) if data_files else None  # bad files: no work folder
+    mix = resolve_mix(cfg.mix, bool(data_files))
+    counts = {split: allocate(total, mix, f"--{split}-prompts")
+              for split, total in (("train", cfg.train_prompts), ("heldout", cfg.heldout_prompts))}
+    # Bad input is found before the work folder is created.
+    from_files = _file_prompts(data_files, tok, cfg, {s: c["data"] for s, c in counts.items()}, log) \
+        if data_files else None
+    if "chat-prose" in mix:
+        prose_works()
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
     data = {}
-    for split, count in (("train", cfg.train_prompts), ("heldout", cfg.heldout_prompts)):
-        stem = f"{split}-{cfg.data_key(verifier_key, split, source)}"
-        if from_files is not None:
-            count = len(from_files[split])
-        path = work / f"{stem}-{count}.pt"
-        if path.exists():
-            log(f"using cached data {path.name}")
-            data[split] = torch.load(path)
-            continue
-        if from_files is not None:
-            lists = from_files[split]
-            prompts = torch.tensor([[pad_id] * (cfg.prompt_tokens - len(p)) + p for p in lists], dtype=torch.int32)
-        else:
-            # The training stream is seeded as in the single-file cache this replaced, so its sequences
-            # could be carried over; the held-out stream does not depend on the training prompt count.
-            rng = random.Random(cfg.seed) if split == "train" else random.Random(f"heldout-{cfg.seed}")
-            lists = sample_prompts(corpus_files()[split == "heldout"], tok, count, cfg.prompt_tokens, rng)
-            prompts = torch.tensor(lists, dtype=torch.int32)
-        part, cached = _cached_rows(work, stem, prompts, log)
-        have = 0 if part is None else len(part["tokens"])
-        if have < count:
-            mine = world.shard(count - have)  # this rank's share of the missing sequences
-            first = have + mine.start
-            bar = tqdm(total=len(mine) * cfg.continuation_tokens, desc=f"verifier continuations ({split})",
-                       unit="tok", leave=False, disable=not world.main)
-            new = None if not len(mine) else generate_data(
-                verifier, lists[first : first + len(mine)], tap_ids, cfg.continuation_tokens, cfg.gen_batch,
-                progress=lambda done, total, bar=bar: bar.update(done - bar.n),
-                width=cfg.prompt_tokens if from_files is not None else None, pad_id=pad_id,
-                temperature=cfg.gen_temperature,
-                seeds=[prompt_seed(cfg.seed, split, i) for i in range(first, first + len(mine))])
-            bar.close()
-            new = _join_shares(new, work, stem, world, count - have)
-            if world.main:
-                log(f"generated {new['tokens'].numel()} tokens of {split} data")
-                part = new if not have else {k: torch.cat([part[k], new[k]]) for k in new}
-                atomic_torch_save(part, path)
-                if cached is not None:  # its sequences lead the new file
-                    cached.unlink()
-            world.barrier()  # the cache file is complete before any rank reads it or looks for caches
-            if not world.main:
-                part = torch.load(path)
-        data[split] = part
+    for split in ("train", "heldout"):
+        parts = [_source_split(name, split, counts[split][name], verifier, tok, verifier_key, cfg, tap_ids, work,
+                               log, from_files, source, world, pad_id) for name in mix]
+        if len(parts) > 1 and any("pad" in p for p in parts):
+            parts = [p if "pad" in p else {**p, "pad": torch.zeros(len(p["tokens"]), dtype=torch.int32)}
+                     for p in parts]
+        data[split] = parts[0] if len(parts) == 1 else {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return data
+
+
+def _source_split(name: str, split: str, count: int, verifier, tok, verifier_key: str, cfg: TrainConfig,
+                  tap_ids: list[int], work: Path, log, from_files, source: str, world: World, pad_id: int) -> dict:
+    """One source's rows of one split, from its cache or generated (and cached).
+
+    Code prompts: each split draws from its own seeded stream, so a run with more prompts than an
+    earlier one generates only the new sequences (and one with fewer reuses a leading slice).
+    File prompts (`from_files`, whose content hash is `source`): the first prompts of each split
+    that fit in --prompt-tokens. Chat prompts: the verifier's own instructions (train_chat.py).
+    File and chat prompts are stored left-padded to --prompt-tokens columns (see generate_data),
+    so every continuation starts at the same column as in code data."""
+    from tqdm import tqdm
+
+    seed_split = split  # names each prompt's sampling seed (prompt_seed)
+    if name == "code":
+        stem = f"{split}-{cfg.data_key(verifier_key, split)}"
+    elif name == "data":
+        stem = f"{split}-{cfg.data_key(verifier_key, split, source)}"
+        count = len(from_files[split])
+    else:
+        from .train_chat import CHAT_RECIPE
+
+        chat = (name, cfg.instruction_tokens, cfg.instruction_temperature, CHAT_RECIPE)
+        stem = f"{name}-{split}-{cfg.data_key(verifier_key, split, chat=chat)}"
+        seed_split = f"{name}/{split}"
+    path = work / f"{stem}-{count}.pt"
+    if path.exists():
+        log(f"using cached data {path.name}")
+        return torch.load(path)
+    width = cfg.prompt_tokens
+    if name == "code":
+        # The training stream is seeded as in the single-file cache this replaced, so its sequences
+        # could be carried over; the held-out stream does not depend on the training prompt count.
+        rng = random.Random(cfg.seed) if split == "train" else random.Random(f"heldout-{cfg.seed}")
+        lists = sample_prompts(corpus_files()[split == "heldout"], tok, count, cfg.prompt_tokens, rng)
+        width = None
+    elif name == "data":
+        lists = from_files[split]
+    else:
+        from .train_chat import chat_prompts
+
+        lists = chat_prompts(verifier, tok, verifier_key, name, split, count, cfg, work, log, world=world,
+                             pad_id=pad_id).ids
+    prompts = torch.tensor([[pad_id] * (cfg.prompt_tokens - len(p)) + p for p in lists], dtype=torch.int32)
+    part, cached = _cached_rows(work, stem, prompts, log)
+    have = 0 if part is None else len(part["tokens"])
+    if have < count:
+        mine = world.shard(count - have)  # this rank's share of the missing sequences
+        first = have + mine.start
+        bar = tqdm(total=len(mine) * cfg.continuation_tokens, desc=f"verifier continuations ({name}, {split})",
+                   unit="tok", leave=False, disable=not world.main)
+        new = None if not len(mine) else generate_data(
+            verifier, lists[first : first + len(mine)], tap_ids, cfg.continuation_tokens, cfg.gen_batch,
+            progress=lambda done, total: bar.update(done - bar.n), width=width, pad_id=pad_id,
+            temperature=cfg.gen_temperature,
+            seeds=[prompt_seed(cfg.seed, seed_split, i) for i in range(first, first + len(mine))])
+        bar.close()
+        new = join_shares(new, work, stem, world, count - have)
+        if world.main:
+            log(f"generated {new['tokens'].numel()} tokens of {name} {split} data")
+            part = new if not have else {k: torch.cat([part[k], new[k]]) for k in new}
+            atomic_torch_save(part, path)
+            if cached is not None:  # its sequences lead the new file
+                cached.unlink()
+        world.barrier()  # the cache file is complete before any rank reads it or looks for caches
+        if not world.main:
+            part = torch.load(path)
+    return part
