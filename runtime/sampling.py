@@ -32,8 +32,8 @@ def choose_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     """[n, V] -> [n] int64: the verifier's token after each row.
 
     Sampling is an exponential race: argmax of p / E with E ~ Exp(1) independent per token
-    picks token i with probability p_i exactly, with fixed shapes and no host synchronisation
-    (torch.multinomial checks its input on the host), so it runs inside a captured round."""
+    picks token i with probability p_i exactly, with fixed shapes and elementwise kernels only,
+    so it runs inside a captured round (torch.multinomial makes no such promise)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = verifier_probs(logits, temperature, top_p)

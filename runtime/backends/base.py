@@ -114,7 +114,7 @@ class StagedRunner(Runner):
         path = path[: int(tau)]
         self.commit(P, path)
         self._ctx, self._ctx_start = feats[path], P
-        self._past = P + int(tau)
+        self._past = P + path.shape[0]
         self._root = int(bonus)
         return draft.tokens[path[1:]].tolist() + [self._root]
 
