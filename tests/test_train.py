@@ -14,6 +14,7 @@ from treeflash_export import train as train_mod
 from treeflash_export import train_data
 from treeflash_export.checkpoints import load_drafter
 from treeflash_export.config import DrafterConfig
+from treeflash_export.errors import ConfigError
 from treeflash_export.models import TreeFlashDrafter
 from treeflash_export.train import TrainConfig, block_loss, train
 
@@ -276,3 +277,61 @@ def test_more_prompts_generate_only_the_new_sequences(pair_dirs, tmp_path, monke
     assert torch.equal(grown["heldout"]["tokens"], fresh["heldout"]["tokens"])
     assert torch.allclose(grown["train"]["features"].float(), fresh["train"]["features"].float(), atol=2e-3)
     assert torch.equal(shrunk["train"]["features"], grown["train"]["features"][:6])
+
+
+def test_turn_ends_finds_the_first_end_of_turn_of_each_continuation():
+    tokens = torch.tensor([[7, 2, 5, 9, 2, 5],    # a stop in the prompt (column 1) does not count
+                           [7, 7, 5, 5, 5, 5],    # no end: the last column
+                           [2, 7, 9, 2, 9, 9]])   # the first of two stops after the prompt
+    ends = train_data.turn_ends(tokens, 2, {2, 9})
+    assert ends.tolist() == [3, 5, 2]
+    assert train_data.turn_ends(tokens[1:2], 2, {2, 9}) is None  # no row ends early: nothing to mask
+    assert train_data.turn_ends(tokens, 2, set()) is None
+
+
+def test_targets_past_the_end_of_turn_weigh_nothing(load):
+    """With ends, a target past its row's end changes neither the loss nor the accuracy, and the
+    loss is the unmasked one with those positions' cross-entropy removed (same divisor)."""
+    pair = load("qwen3")
+    d = TreeFlashDrafter(DrafterConfig.from_hf(pair.drafter_cfg.hf_config))
+    d.load_state_dict(pair.drafter.state_dict())
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 500, (2, 24), generator=g)
+    feats = torch.randn(2, 24, len(pair.drafter_cfg.target_layer_ids) * pair.drafter_cfg.hidden_size, generator=g)
+    args = (pair.verifier.model.embed_tokens, pair.verifier.lm_head)
+    B, mask = pair.drafter_cfg.block_size, pair.drafter_cfg.mask_token_id
+    anchors, ends = [6, 12], torch.tensor([23, 13])  # row 1 ends inside the second block
+    with torch.no_grad():
+        full = block_loss(d, *args, tokens, feats, anchors, B, 4.0, mask)
+        masked = block_loss(d, *args, tokens, feats, anchors, B, 4.0, mask, ends=ends)
+        changed = tokens.clone()
+        changed[1, 14:] = torch.randint(0, 500, (10,), generator=g)  # what follows row 1's end
+        again = block_loss(d, *args, changed, feats, anchors, B, 4.0, mask, ends=ends)
+        same_all = block_loss(d, *args, tokens, feats, anchors, B, 4.0, mask, ends=torch.tensor([23, 23]))
+    assert float(masked[0]) < float(full[0])  # some positive cross-entropy was removed
+    for a, b in zip(masked[:2], again[:2]):
+        assert abs(float(a) - float(b)) < 1e-6
+    for key in ("marginal", "conditional"):
+        assert torch.allclose(masked[2][key], again[2][key])
+    assert abs(float(same_all[0]) - float(full[0])) < 1e-6  # nothing past the end: the old loss
+
+
+def test_init_starts_from_a_drafter_and_refuses_another_shape(trained, pair_dirs, tmp_path):
+    """--init: the run's step-0 evaluation is the given drafter's (not a fresh one's), training.json
+    names it, and a drafter of other shapes is refused before any data is generated."""
+    out, root = trained
+    first = json.loads((out / "training.json").read_text())["history"]
+    cfg = dataclasses.replace(CFG, steps=10)
+    again = train(str(pair_dirs["qwen3"] / "verifier"), tmp_path / "drafter", cfg, work=root / "work2",
+                  log=lambda m: None, init_from=out)
+    info = json.loads((again / "training.json").read_text())
+    start = info["history"][0]
+    # The fp16 copy of the trained weights: the trained drafter's last losses up to rounding.
+    assert abs(start["marginal_loss"] - first[-1]["marginal_loss"]) < 0.02
+    assert start["marginal_loss"] < first[0]["marginal_loss"] - 0.3
+    assert info["init"]["from"] == out.name and len(info["init"]["sha256"]) == 64
+    wider = dataclasses.replace(CFG, intermediate_size=64)
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        train(str(pair_dirs["qwen3"] / "verifier"), tmp_path / "other", wider, work=tmp_path / "work3",
+              log=lambda m: None, init_from=out)
+    assert not (tmp_path / "work3").exists()

