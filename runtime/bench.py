@@ -72,6 +72,9 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
                    "requests about held-out modules or Shakespeare passages.")
 @click.option("--prompt-tokens", type=int, default=48, help="Length of each held-out code prompt in tokens.")
 @click.option("--max-new-tokens", type=int, default=64)
+@click.option("--ignore-eos", is_flag=True,
+              help="Generate --max-new-tokens every time; by default a generation ends at the model's end-of-turn "
+                   "or EOS token, as treeflash-run's does.")
 @click.option("--max-seq-len", type=int, default=None)
 @click.option("--repeat", type=int, default=1, help="Timed repetitions per prompt (after one warm-up).")
 @click.option("--device", default="auto")
@@ -97,8 +100,8 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (eagerly, synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
-         heldout_domain, prompt_tokens, max_new_tokens, max_seq_len, repeat, device, as_json, server, concurrency,
-         requests, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, stages):
+         heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
+         concurrency, requests, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
     Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
@@ -119,7 +122,7 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
                   else list(prompts) or list(DEFAULT_PROMPTS))
         report = run_bench(artifacts, model, drafter, _split(backends), modes,
                            [int(n) for n in _split(tree_sizes)], dict(top_m=top_m, top_k=top_k), source,
-                           max_new_tokens, max_seq_len, repeat, device)
+                           max_new_tokens, max_seq_len, repeat, device, ignore_eos=ignore_eos)
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -177,7 +180,7 @@ def _prompt_ids(source, tokenizer) -> list[list[int]]:
 
 
 def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, prompts, max_new_tokens,
-              max_seq_len, repeat, device) -> dict:
+              max_seq_len, repeat, device, *, ignore_eos: bool = False) -> dict:
     from transformers.utils import logging as hf_logging
 
     from .loop import generate
@@ -195,7 +198,6 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
     bad = [m for m in mode_list if m not in MODES]
     if bad:
         raise TreeFlashError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     rows, outputs = [], {}
     configs = [(m, n) for m in mode_list if m not in ("ar", "chain") for n in (tree_sizes if not artifacts else [None])]
     configs = [(m, None) for m in mode_list if m == "chain"] + configs + [("ar", None)]
@@ -204,6 +206,8 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
         sess = _session(artifacts, model, drafter, backend, mode_list[0], tree_kw, max_seq_len, device)
         if ids is None:
             ids = _prompt_ids(prompts, sess.tokenizer)
+        stops = () if ignore_eos else tuple(sorted(sess.stop_token_ids))
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=stops)
         for mode, size in configs:
             tree = _tree_for(sess, artifacts, mode, size, tree_kw)
             generate(sess.runner, ids[0], tree, sampling)  # warm-up
@@ -235,7 +239,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
     import torch
 
     return {"rows": rows, "identical_outputs": identical, "prompts": len(ids), "repeat": repeat,
-            "max_new_tokens": max_new_tokens, "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "max_new_tokens": max_new_tokens, "stops_at_eos": not ignore_eos, "machine": platform.machine(), "threads": torch.get_num_threads(),
             "artifacts": artifacts}
 
 
@@ -248,7 +252,8 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['backend']:<12} {r['mode']:<10} {r['tree_size']:>4} {r['mean_accepted']:>9.2f} "
                      f"{r['tokens_per_s']:>9.1f} {r['speedup_vs_ar']:>6.2f}x {r[ref]:>11.2f}x")
     lines.append(f"greedy outputs identical across all rows: {report['identical_outputs']} "
-                 f"({report['prompts']} prompts x {report['repeat']}, {report['max_new_tokens']} new tokens)")
+                 f"({report['prompts']} prompts x {report['repeat']}, up to {report['max_new_tokens']} new tokens"
+                 f"{', ending at end of turn' if report.get('stops_at_eos') else ''})")
     return "\n".join(lines)
 
 

@@ -186,9 +186,10 @@ def test_bench_reports_side_by_side_ratios(pair_dirs):
     r = CliRunner().invoke(bench_main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"),
                                         "--modes", "treeflash,chain", "--tree-sizes", "16", "--top-m", "4",
                                         "--top-k", "4", "--max-new-tokens", "12", "--prompt", "def f(x):",
-                                        "--prompt", "Hello", "--json"])
+                                        "--prompt", "Hello", "--ignore-eos", "--json"])
     assert r.exit_code == 0, r.stderr
     report = json.loads(r.stdout)
+    assert report["stops_at_eos"] is False
     rows = {row["mode"]: row for row in report["rows"]}
     assert set(rows) == {"treeflash", "chain", "ar"}
     assert report["identical_outputs"] is True

@@ -324,6 +324,8 @@ def test_bench_runs_on_held_out_chat_prompts(pair_dirs):
                                         "chain", "--max-new-tokens", "4", "--heldout-prompts", "2",
                                         "--heldout-domain", "chat-stdlib", "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["prompts"] == 2
+    report = json.loads(r.stdout)
+    assert report["prompts"] == 2 and report["stops_at_eos"] is True  # a chat answer ends at its end of turn
+    assert all(row["new_tokens"] <= 2 * 4 for row in report["rows"])
     r = CliRunner().invoke(bench_main, ["--heldout-prompts", "2", "--heldout-domain", "poetry"])
     assert r.exit_code == 2 and "poetry" in r.output
