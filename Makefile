@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo tiny-demo test clean
+.PHONY: setup demo tiny-demo test gpu-install gpu-test gpu-bench clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,25 @@ tiny-demo: setup $(TINY)
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# On a GPU machine whose Python already has a CUDA torch (no network needed): install the project
+# into that Python, then run the tests (tritonserver ones aside) or the real-shape benchmark.
+GPU_OUT ?= artifacts/gpu
+PRESET ?= qwen3-8b
+
+gpu-install:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+
+gpu-test: gpu-install
+	$(PYTHON) -m pytest -q -m "not tritonserver" tests
+
+gpu-bench: gpu-install
+	mkdir -p $(GPU_OUT)
+	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --json > $(GPU_OUT)/bench-eager.json
+	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --compile --no-stages --json \
+	  > $(GPU_OUT)/bench-compile.json
+	$(PYTHON) -c "import json, sys; [print(f, r['mode'], r['tree_size'], r['prompt_tokens'], round(r['ms_per_round'], 2), \
+	  round(r['ratio_to_floor'], 2)) for f in sys.argv[1:] for r in json.load(open(f))['rows']]" $(GPU_OUT)/bench-*.json
 
 clean:
 	rm -rf $(VENV) $(TINY)
