@@ -291,16 +291,18 @@ class TorchRunner(Runner):
         dev = self.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        for k in todo:
+        def scratch_round():
             self._reset_state()
+            self.state.past_len.fill_(1)  # a round needs a root and a committed position
+
+        for k in todo:
             if k[0] == "prefill":
                 args = (torch.zeros(PREFILL_CHUNK, dtype=torch.long, device=dev),
                         torch.tensor(PREFILL_CHUNK, device=dev))
-                self._graphs[k] = _Captured(self._prefill, args, self._pool, self.generator)
+                self._graphs[k] = _Captured(self._prefill, args, self._pool, self.generator, self._reset_state)
             else:
-                self.state.past_len.fill_(1)  # a round needs a root and a committed position
                 step = self._ar_step if tree.mode == "ar" else self._round
-                self._graphs[k] = _Captured(step, (), self._pool, self.generator)
+                self._graphs[k] = _Captured(step, (), self._pool, self.generator, scratch_round)
         what = "plain decoding" if tree.mode == "ar" else f"{tree.mode} N={tree.tree_size}"
         self.log(f"captured CUDA graphs ({', '.join('prefill' if k[0] == 'prefill' else what for k in todo)}) "
                  f"in {time.perf_counter() - t0:.1f}s")
@@ -310,14 +312,18 @@ class _Captured:
     """fn(*args) captured once in a CUDA graph with static copies of its tensor arguments;
     calling copies the new arguments in and replays. fn's effects are its writes to state."""
 
-    def __init__(self, fn, args, pool, generator: torch.Generator, warmup: int = 2):
+    def __init__(self, fn, args, pool, generator: torch.Generator, reset, warmup: int = 2):
+        """reset() puts the scratch state back before each warm-up run and before the capture, so
+        the passes never move the committed length past the cache (a prefill pass adds a chunk)."""
         self.args = [a.clone() for a in args]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
             for _ in range(warmup):
+                reset()
                 fn(*self.args)
         torch.cuda.current_stream().wait_stream(stream)
+        reset()
         self.graph = torch.cuda.CUDAGraph()
         self.graph.register_generator_state(generator)  # sampling draws advance on every replay
         with torch.cuda.graph(self.graph, pool=pool):
