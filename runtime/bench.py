@@ -55,7 +55,8 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--artifacts", default=None, type=click.Path(file_okay=False), help="An artifact folder.")
 @click.option("--model", default=None, help="Verifier checkpoint (torch backend, without --artifacts).")
-@click.option("--drafter", default=None, help="Drafter checkpoint (torch backend, without --artifacts).")
+@click.option("--drafter", default=None, help="Drafter checkpoint (torch backend, without --artifacts); without "
+              "--model it drafts for the default verifier, SmolLM2-135M-Instruct.")
 @click.option("--backends", default="torch", help="Comma-separated backends; the first is the reference.")
 @click.option("--modes", default=None, help="Comma-separated modes; 'ar' (plain decoding) is always added. "
               "[default: the artifact's mode, or treeflash]")

@@ -33,7 +33,8 @@ class _Streamer:
 @click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id. "
               "[default: SmolLM2-135M-Instruct with the demo TreeFlash drafter, offline]")
 @click.option("--drafter", default=None, help="TreeFlash or DFlash drafter: a local folder or a hub id "
-              "(not needed with --mode ar).")
+              "(not needed with --mode ar). Without --model it drafts for SmolLM2-135M-Instruct, e.g. one "
+              "trained by `treeflash-export train`.")
 @click.option("--artifacts", "artifacts", default=None, type=click.Path(file_okay=False),
               help="An artifact folder from `treeflash-export build` (instead of --model/--drafter); "
                    "tree settings and cache size come from its manifest.")
@@ -114,8 +115,6 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         return _run_server(server, server_protocol, _read_prompt(prompt), max_new_tokens, temperature, top_p, seed,
                            end_id, as_json)
     if artifacts is None:
-        if not model and drafter:
-            raise TreeFlashError("--drafter needs --model (the verifier it was trained for)")
         if model and (mode or _TREE.mode) != "ar" and not drafter:
             raise TreeFlashError(f"--drafter is required for --mode {mode or _TREE.mode} "
                                  f"(or use --mode ar for plain decoding)")

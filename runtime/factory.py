@@ -45,8 +45,9 @@ def default_pair(log=None) -> tuple[str, str]:
 def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeConfig, capacity: int,
                              backend: str = "torch", device: str = "auto", dtype: str = "auto",
                              log=None, cuda_graphs: bool = True, compile_steps: bool = False) -> Session:
-    """model None: the default pair (converted on first use, progress through ``log``, which also
-    reports CUDA graph captures)."""
+    """model None: SmolLM2-135M-Instruct (converted on first use, progress through ``log``, which
+    also reports CUDA graph captures) with ``drafter``, or with the demo drafter when that is None
+    too."""
     from treeflash_export.checkpoints import eos_token_ids, load_pair, parse_dtype
 
     from .backends import get_runner_class
@@ -55,7 +56,8 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
         raise TreeFlashError(f"--backend {backend} runs an artifact folder: pass --artifacts DIR "
                              f"(build one with treeflash-export build)")
     if model is None:
-        model, drafter = default_pair(log=log)
+        model, demo = default_pair(log=log)
+        drafter = drafter or demo  # a drafter of one's own for the default verifier is kept
     dev = pick_device(device)
     torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
 

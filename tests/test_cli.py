@@ -196,3 +196,17 @@ def test_bench_reports_side_by_side_ratios(pair_dirs):
     assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["ar"]["mean_accepted"] == 1.0
     for row in rows.values():
         assert row["new_tokens"] == 2 * 12 and row["tokens_per_s"] > 0
+
+
+def test_a_drafter_without_model_pairs_with_the_default_verifier(pair_dirs, monkeypatch, tmp_path):
+    """--drafter alone keeps that drafter with the default verifier (it used to be replaced by the
+    demo drafter without a word)."""
+    from treeflash_runtime import factory
+
+    d = pair_dirs["qwen3"]
+    monkeypatch.setattr(factory, "default_pair", lambda log=None: (str(d / "verifier"), str(tmp_path / "no-demo")))
+    r = CliRunner().invoke(run_main, ["--drafter", str(d / "drafter"), "--prompt", "def f(x):", "--max-new-tokens",
+                                      "4", "--json"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(run_main, ["--prompt", "def f(x):", "--max-new-tokens", "4"])
+    assert r.exit_code != 0 and "no-demo" in r.output  # without --drafter the demo drafter is the one loaded
