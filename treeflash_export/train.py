@@ -110,9 +110,9 @@ class TrainConfig:
 # ---------------------------------------------------------------- model and loss
 
 
-def read_init(folder: Path, hf_cfg, seed: int) -> dict:
-    """--init: {"weights": fp32 state dict, "record": what training.json says of it}, after checking
-    that the folder's drafter has the shapes and block settings this run trains."""
+def load_init(folder: Path, drafter, hf_cfg) -> dict:
+    """--init: loads the folder's weights into `drafter` (fresh, built from hf_cfg) after checking the
+    block settings the weights' shapes do not show; returns what training.json says of them."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -129,15 +129,11 @@ def read_init(folder: Path, hf_cfg, seed: int) -> dict:
     if ours != hf_cfg.dflash_config["target_layer_ids"]:
         raise ConfigError(f"--init {folder}: it taps verifier layers {ours}, this run taps "
                           f"{hf_cfg.dflash_config['target_layer_ids']}")
-    fresh = init_drafter(hf_cfg, seed).state_dict()
-    missing, extra = sorted(set(fresh) - set(weights)), sorted(set(weights) - set(fresh))
-    wrong = [k for k in fresh if k in weights and weights[k].shape != fresh[k].shape]
-    if missing or extra or wrong:
-        raise ConfigError(f"--init {folder}: its weights do not fit this drafter (missing {missing[:3]}, "
-                          f"unexpected {extra[:3]}, other shapes {wrong[:3]})")
-    digest = hashlib.sha256(weights_file.read_bytes()).hexdigest()
-    return {"weights": {k: v.float() for k, v in weights.items()},
-            "record": {"from": folder.name, "sha256": digest}}
+    try:  # strict: names every missing, unexpected or reshaped key
+        drafter.load_state_dict({k: v.float() for k, v in weights.items()})
+    except RuntimeError as exc:
+        raise ConfigError(f"--init {folder}: its weights do not fit this drafter: {exc}") from None
+    return {"from": folder.name, "sha256": hashlib.sha256(weights_file.read_bytes()).hexdigest()}
 
 
 def make_drafter_config(verifier_cfg, cfg: TrainConfig, mask_token_id: int, tap_ids: list[int]):
@@ -400,19 +396,19 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
     tap_ids = default_target_layer_ids(int(vcfg.num_hidden_layers), cfg.num_taps)
     mask_id = int(vcfg.vocab_size) - 1 if tok.pad_token_id is None else int(tok.pad_token_id)
     hf_cfg = make_drafter_config(vcfg, cfg, mask_id, tap_ids)
-    start = read_init(init_from, hf_cfg, cfg.seed) if init_from else None  # bad input fails before data generation
+    drafter = init_drafter(hf_cfg, cfg.seed, verifier)
+    init_record = load_init(init_from, drafter, hf_cfg) if init_from else None  # fails before data generation
 
     data = prepare_data(verifier, tok, str(vpath), cfg, tap_ids, work, log, data_files=data_files, source=source,
                         world=world)
     from .train_chat import stop_ids
     from .train_data import turn_ends
 
+    stops = stop_ids(tok)
     for split in data.values():  # targets past a row's end of turn weigh nothing
-        split["ends"] = turn_ends(split["tokens"], cfg.prompt_tokens, stop_ids(tok))
+        split["ends"] = turn_ends(split["tokens"], cfg.prompt_tokens, stops)
 
-    drafter = init_drafter(hf_cfg, cfg.seed, verifier)
-    if start is not None:
-        drafter.load_state_dict(start["weights"])
+    if init_record is not None:
         log(f"starting from the weights of {init_from}")
     drafter = drafter.to(dev).train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -504,7 +500,7 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
 
     if world.main:
         _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name or str(verifier_path), data_files,
-                       source, world, global_batch, None if start is None else start["record"])
+                       source, world, global_batch, init_record)
     world.barrier()  # every rank returns once the drafter is written
     return out
 
