@@ -139,7 +139,14 @@ def test_module_summaries_are_first_docstring_paragraphs():
     ("How do I read a JSON file with json?<|im_end|>junk after", ("How do I read a JSON file with json?", "")),
     ('Question: "Write a function that sorts a list."<|im_end|>', ("Write a function that sorts a list.", "")),
     ("  Summarise the plot of Hamlet please  <|endoftext|>", ("Summarise the plot of Hamlet please", "")),
-    ("How do I read a JSON file with json? and on and on", (None, "unfinished")),
+    # No end of turn within the budget: cut after the last complete sentence, if there is one.
+    ("How do I read a JSON file with json? Then tell me why it is and on and on", (
+        "How do I read a JSON file with json?", "")),
+    ("Write a function that sorts a list. Then explain it. Use the `sorted` built", (
+        "Write a function that sorts a list. Then explain it.", "")),
+    ("How do I read a JSON file with json and on and on", (None, "unfinished")),
+    ("Write a function with these steps:\n1. read the file\n2", (None, "unfinished")),  # "1." ends no sentence
+    ("Explain json. And then some more words that run", (None, "too short")),
     ("  <|im_end|>", (None, "empty")),
     ('Instruction: ""<|im_end|>', (None, "empty")),
     ("Explain json.<|im_end|>", (None, "too short")),
@@ -215,12 +222,14 @@ def test_no_usable_instruction_is_a_config_error_naming_the_rejections(chatty, t
         chat_prompts(v, tok, "v", "chat-stdlib", "train", 2, cfg, tmp_path, lambda m: None)
 
 
-def test_cache_keys_keep_the_code_key_and_separate_every_chat_setting():
+def test_cache_keys_keep_the_code_key_and_separate_every_chat_setting(monkeypatch):
     cfg = TrainConfig()
     assert cfg.data_key("/v", "train") == "1a90191fb67b8716"  # the code cache of earlier versions
-    chat = ("chat-stdlib", cfg.instruction_tokens, cfg.instruction_temperature, train_chat.CHAT_RECIPE)
-    variants = [chat, ("chat-prose", *chat[1:]), (chat[0], 64, *chat[2:]), (*chat[:2], 0.0, chat[3]),
-                (*chat[:3], chat[3] + 1)]
+    chat = train_chat.chat_fields("chat-stdlib", cfg)
+    variants = [chat, train_chat.chat_fields("chat-prose", cfg),
+                *(train_chat.chat_fields("chat-stdlib", dataclasses.replace(cfg, **change))
+                  for change in ({"instruction_tokens": 64}, {"instruction_temperature": 0.0})),
+                (*chat[:3], chat[3] + 1, chat[4]), (*chat[:4], chat[4] + 1)]  # the styles' and the cleaning's recipes
     keys = {cfg.data_key("/v", "train"), cfg.data_key("/v", "train", "abc")}
     keys |= {cfg.data_key("/v", "train", chat=c) for c in variants}
     assert len(keys) == 2 + len(variants)
@@ -230,6 +239,12 @@ def test_cache_keys_keep_the_code_key_and_separate_every_chat_setting():
     # The prompt and continuation lengths only choose among the cached instructions.
     assert train_chat.instruction_key("/v", "chat-stdlib", "train", dataclasses.replace(cfg, prompt_tokens=9)) \
         == train_chat.instruction_key("/v", "chat-stdlib", "train", cfg)
+    # A new cleaning renames the answers but reuses the raw candidates.
+    raw = train_chat.instruction_key("/v", "chat-stdlib", "train", cfg)
+    monkeypatch.setattr(train_chat, "CLEAN_RECIPE", train_chat.CLEAN_RECIPE + 1)
+    assert train_chat.instruction_key("/v", "chat-stdlib", "train", cfg) == raw
+    assert cfg.data_key("/v", "train", chat=train_chat.chat_fields("chat-stdlib", cfg)) \
+        != cfg.data_key("/v", "train", chat=chat)
 
 
 # ---------------------------------------------------------------- through the CLI
@@ -252,7 +267,8 @@ def test_a_mix_of_code_and_chat_through_the_cli(chatty, short_words, tmp_path):
     assert r.exit_code == 0, r.output
     work = tmp_path / "d.work"
     cfg = dataclasses.replace(CFG, mix="code:2,chat-stdlib:1", continuation_tokens=6)
-    chat = ("chat-stdlib", 12, 1.0, train_chat.CHAT_RECIPE)
+    chat = train_chat.chat_fields("chat-stdlib", dataclasses.replace(cfg, instruction_tokens=12,
+                                                                     instruction_temperature=1.0))
     for split, n_code, n_chat in (("train", 4, 2), ("heldout", 2, 1)):
         code = torch.load(work / f"{split}-{cfg.data_key(str(vdir), split)}-{n_code}.pt")
         rows = torch.load(work / f"chat-stdlib-{split}-{cfg.data_key(str(vdir), split, chat=chat)}-{n_chat}.pt")

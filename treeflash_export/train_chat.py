@@ -32,14 +32,20 @@ from .train_sources import Seed, seed_stream
 if TYPE_CHECKING:
     from .train import TrainConfig
 
-# Names the chat caches together with the settings: bump it when the styles or the cleaning change.
+# Name the chat caches together with the settings. CHAT_RECIPE: bump it when the styles change (it
+# names the raw candidates); CLEAN_RECIPE: when the cleaning changes (it names the answers' caches,
+# since it decides which candidates are kept, but not the raw candidates, which are reused).
 CHAT_RECIPE = 4
+CLEAN_RECIPE = 2
 MIN_WORDS, MAX_CHARS = 4, 400
 REJECTIONS = ("unfinished", "empty", "too short", "too long", "echo", "answer-like", "over --prompt-tokens")
 # Stage 1's system turn: a small verifier otherwise often answers the request, or plays the assistant.
 WRITER = "You write one message that a user would send to an AI assistant. You never answer it."
 _LABEL = re.compile(r"^\W*(question|instruction|request|prompt|user|task|answer)\s*\d*\s*:\s*", re.IGNORECASE)
 # Openings of an assistant's reply, not of a user's message (the verifier slipping into its usual role).
+# A complete sentence's end: . ? or ! after a word or a closing bracket or quote (not "1." of a list),
+# followed by white space or the end of the text.
+_SENTENCE_END = re.compile(r"(?<=[\w)\]`'\"\u201d])(?<!\d)[.?!](?=\s|$)")
 _ANSWER = re.compile(r"^(sure|certainly|of course|here('s| is| are)|i('m| am) (ready|here|happy|glad)|i('ll| will)"
                      r"|as an ai|in order to)\b", re.IGNORECASE)
 
@@ -119,15 +125,20 @@ def _shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
 def clean_instruction(ids: list[int], tok, stops: set[int], ask: str = "") -> tuple[str | None, str]:
     """(instruction, "") or (None, the rejection reason, one of REJECTIONS).
 
-    The text is cut at the first end-of-turn token (none within the budget: "unfinished"), and
-    loses surrounding whitespace and quotes and a leading label ("Question:"). It must keep at
-    least MIN_WORDS words and at most MAX_CHARS characters, must not repeat five words in a row
-    of the request's own wording `ask` ("echo": the verifier restating what it was asked) and must
-    not open like an assistant's reply ("answer-like": "Sure, ...", "I'm ready to ...")."""
+    The text is cut at the first end-of-turn token. With none within the budget it is cut after its
+    last complete sentence (a small verifier often runs on past a finished request), and is
+    "unfinished" when it has none. The text then loses surrounding whitespace and quotes and a
+    leading label ("Question:"). It must keep at least MIN_WORDS words and at most MAX_CHARS
+    characters, must not repeat five words in a row of the request's own wording `ask` ("echo":
+    the verifier restating what it was asked) and must not open like an assistant's reply
+    ("answer-like": "Sure, ...", "I'm ready to ...")."""
     cut = next((i for i, t in enumerate(ids) if t in stops), None)
+    text = tok.decode(ids if cut is None else ids[:cut], skip_special_tokens=True).strip()
     if cut is None:
-        return None, "unfinished"
-    text = tok.decode(ids[:cut], skip_special_tokens=True).strip()
+        ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+        if not ends:
+            return None, "unfinished"
+        text = text[: ends[-1]]
     text = _LABEL.sub("", text).strip().strip("\"'\u201c\u201d").strip()
     if not text:
         return None, "empty"
@@ -149,6 +160,11 @@ class ChatPrompts:
     texts: list[str]  # their user turns as text
     rejected: Counter  # reason -> count, over the candidates read
     candidates: int  # candidates read to find them
+
+
+def chat_fields(source: str, cfg: TrainConfig) -> tuple:
+    """The settings that name a chat source's cached answers (TrainConfig.data_key's `chat`)."""
+    return (source, cfg.instruction_tokens, cfg.instruction_temperature, CHAT_RECIPE, CLEAN_RECIPE)
 
 
 def instruction_key(verifier_key: str, source: str, split: str, cfg: TrainConfig) -> str:

@@ -268,10 +268,9 @@ def _source_split(name: str, split: str, count: int, verifier, tok, verifier_key
         stem = f"{split}-{cfg.data_key(verifier_key, split, source)}"
         count = len(from_files[split])
     else:
-        from .train_chat import CHAT_RECIPE
+        from .train_chat import chat_fields
 
-        chat = (name, cfg.instruction_tokens, cfg.instruction_temperature, CHAT_RECIPE)
-        stem = f"{name}-{split}-{cfg.data_key(verifier_key, split, chat=chat)}"
+        stem = f"{name}-{split}-{cfg.data_key(verifier_key, split, chat=chat_fields(name, cfg))}"
         seed_split = f"{name}/{split}"
     path = work / f"{stem}-{count}.pt"
     if path.exists():
