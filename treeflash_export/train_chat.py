@@ -42,10 +42,10 @@ REJECTIONS = ("unfinished", "empty", "too short", "too long", "echo", "answer-li
 # Stage 1's system turn: a small verifier otherwise often answers the request, or plays the assistant.
 WRITER = "You write one message that a user would send to an AI assistant. You never answer it."
 _LABEL = re.compile(r"^\W*(question|instruction|request|prompt|user|task|answer)\s*\d*\s*:\s*", re.IGNORECASE)
-# Openings of an assistant's reply, not of a user's message (the verifier slipping into its usual role).
 # A complete sentence's end: . ? or ! after a word or a closing bracket or quote (not "1." of a list),
 # followed by white space or the end of the text.
 _SENTENCE_END = re.compile(r"(?<=[\w)\]`'\"\u201d])(?<!\d)[.?!](?=\s|$)")
+# Openings of an assistant's reply, not of a user's message (the verifier slipping into its usual role).
 _ANSWER = re.compile(r"^(sure|certainly|of course|here('s| is| are)|i('m| am) (ready|here|happy|glad)|i('ll| will)"
                      r"|as an ai|in order to)\b", re.IGNORECASE)
 
