@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import layer_ops as lo
 from . import tree_attention as ta
 from .mlp_expand import check_shapes, mlp_expand_reference, mlp_expand_triton, triton
 
@@ -50,3 +51,52 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def _(q, k_cache, v_cache, past_len, tree_mask, key_bound=0):
     ta._check(q, k_cache, v_cache, tree_mask)
     return q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
+
+
+# The decoder layer's elementwise work (treeflash_kernels.layer_ops): the runtime's fast path.
+
+
+def _triton_on(x: torch.Tensor) -> bool:
+    return x.is_cuda and lo.triton is not None
+
+
+@torch.library.custom_op("treeflash::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [n, H] (delta None: no add) -> (x + delta, RMSNorm(x + delta) * weight)."""
+    if _triton_on(x):
+        s, h = lo.add_rms_norm_triton(x, delta, weight, eps)
+    else:
+        s, h = lo.add_rms_norm_reference(x, delta, weight, eps)
+    return (s.clone() if delta is None else s), h  # outputs never alias inputs (custom-op rule)
+
+
+@add_rms_norm.register_fake
+def _(x, delta, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("treeflash::qk_norm_rope", mutates_args=("k_cache", "v_cache"))
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Merged q/k/v rows [n, (Hq + 2 Hkv) D] -> q [Hq, n, D] (normed per head, rotated); k (the
+    same) and v written into k_cache / v_cache [Hkv, S, D] at slots [n] (negative: not written)."""
+    fn = lo.qk_norm_rope_triton if _triton_on(qkv) else lo.qk_norm_rope_reference
+    return fn(qkv, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots, num_heads)
+
+
+@qk_norm_rope.register_fake
+def _(qkv, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots, num_heads):
+    return qkv.new_empty(num_heads, qkv.shape[0], k_cache.shape[-1])
+
+
+@torch.library.custom_op("treeflash::silu_mul", mutates_args=())
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2I], gate columns first -> silu(gate) * up [n, I]."""
+    return lo.silu_mul_triton(gate_up) if _triton_on(gate_up) else lo.silu_mul_reference(gate_up)
+
+
+@silu_mul.register_fake
+def _(gate_up):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

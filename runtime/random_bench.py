@@ -81,9 +81,32 @@ def _stage_times(runner, count: int) -> dict[str, float]:
         runner.timer, runner.use_graphs = None, graphs
 
 
+def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, stages: bool) -> tuple[dict, float]:
+    """One row: prefill, then rounds (or plain steps) of this setting timed on the runner; and the
+    seconds its first begin spent beyond a plain prefill (graph capture, compilation)."""
+    dev = runner.device
+    t0 = time.perf_counter()
+    runner.begin(prompt, tree, SamplingConfig())  # the first begin of a setting also captures its graphs
+    _sync(dev)
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner.begin(prompt, tree, SamplingConfig())
+    _sync(dev)
+    prefill_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        runner.round()
+    row = {"mode": tree.mode, "tree_size": tree.tree_size, "top_m": tree.top_m, "top_k": tree.top_k,
+           "prompt_tokens": int(prompt.shape[0]), "ms_per_round": 1e3 * _time_rounds(runner, rounds),
+           "prefill_ms": 1e3 * prefill_s, "host_syncs_per_round": _host_syncs(runner)}
+    if stages:  # the breakdown times the eager stages one by one
+        row["stages_ms"] = _stage_times(runner, 3)
+    return row, max(first_s - prefill_s, 0.0)
+
+
 def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: int, warmup: int, top_m: int,
                      top_k: int, tokens_per_round: float, device: str, dtype: str, cuda_graphs: bool,
-                     stages: bool, compile_steps: bool = False, seed: int = 0, log=None) -> dict:
+                     stages: bool, compile_steps: bool = False, layer_kernels: tuple[bool | None, ...] = (None,),
+                     seed: int = 0, log=None) -> dict:
     from treeflash_export.checkpoints import parse_dtype
     from treeflash_export.presets import random_pair, weight_bytes
     from treeflash_kernels.bench import measure_bandwidth
@@ -117,46 +140,39 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
     configs = _configs(modes, tree_sizes, top_m, top_k, block)
     longest = max(c.tree_size for c in configs)
     capacity = max(prompt_lengths) + (warmup + rounds + 2 + (3 if stages else 0)) * block + longest
-    t0 = time.perf_counter()
-    runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile_steps, log=log)
     gen = torch.Generator().manual_seed(seed)
-    greedy = SamplingConfig()
-    rows, capture_s = [], 0.0
-    for plen in prompt_lengths:
-        prompt = torch.randint(0, verifier.config.vocab_size, (plen,), generator=gen).to(dev)
-        ar_ms = None
-        for tree in configs:
-            t0 = time.perf_counter()
-            runner.begin(prompt, tree, greedy)  # the first begin of a setting also captures its graphs
-            _sync(dev)
-            first_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            runner.begin(prompt, tree, greedy)
-            _sync(dev)
-            prefill_s = time.perf_counter() - t0
-            capture_s += max(first_s - prefill_s, 0.0)
-            for _ in range(warmup):
-                runner.round()
-            ms = 1e3 * _time_rounds(runner, rounds)
-            row = {"mode": tree.mode, "tree_size": tree.tree_size, "top_m": tree.top_m, "top_k": tree.top_k,
-                   "prompt_tokens": plen, "ms_per_round": ms, "floor_ms": floor_ms(tree.mode),
-                   "prefill_ms": 1e3 * prefill_s, "host_syncs_per_round": _host_syncs(runner)}
-            row["ratio_to_floor"] = ms / row["floor_ms"]
-            if tree.mode == "ar":
-                ar_ms = ms
-            row["ratio_to_ar"] = ms / ar_ms
-            row["implied_speedup"] = tokens_per_round * ar_ms / ms if tree.mode != "ar" else 1.0
-            if stages and not compile_steps:  # the breakdown times the eager stages one by one
-                row["stages_ms"] = _stage_times(runner, 3)
-            rows.append(row)
-            log(f"  P={plen} {tree.mode} N={tree.tree_size}: {ms:.2f} ms")
+    prompts = [torch.randint(0, verifier.config.vocab_size, (plen,), generator=gen).to(dev) for plen in prompt_lengths]
+    rows, capture_s, use_graphs = [], {}, False
+    for kernels in layer_kernels:  # one runner per variant, over the same weights
+        runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile_steps,
+                             layer_kernels=kernels, log=log)
+        use_graphs, kernels = runner.use_graphs, runner.layer_kernels
+        label = "layer kernels" if kernels else "modules"
+        capture_s[label] = 0.0
+        for prompt in prompts:
+            ar_ms = None
+            for tree in configs:
+                row, capture = _time_setting(runner, prompt, tree, rounds, warmup, stages and not compile_steps)
+                capture_s[label] += capture
+                row.update(layer_kernels=kernels, floor_ms=floor_ms(tree.mode))
+                row["ratio_to_floor"] = row["ms_per_round"] / row["floor_ms"]
+                if tree.mode == "ar":
+                    ar_ms = row["ms_per_round"]
+                row["ratio_to_ar"] = row["ms_per_round"] / ar_ms
+                row["implied_speedup"] = tokens_per_round * ar_ms / row["ms_per_round"] if tree.mode != "ar" else 1.0
+                rows.append(row)
+                log(f"  {label} P={row['prompt_tokens']} {tree.mode} N={tree.tree_size}: {row['ms_per_round']:.2f} ms")
+        del runner
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     short = min(prompt_lengths)
-    by = {(r["mode"], r["tree_size"], r["prompt_tokens"]): r for r in rows}
+    by = {(r["layer_kernels"], r["mode"], r["tree_size"], r["prompt_tokens"]): r for r in rows}
     for r in rows:
-        r["ratio_to_shortest_prompt"] = r["ms_per_round"] / by[r["mode"], r["tree_size"], short]["ms_per_round"]
+        base = by[r["layer_kernels"], r["mode"], r["tree_size"], short]
+        r["ratio_to_shortest_prompt"] = r["ms_per_round"] / base["ms_per_round"]
     return {
         "preset": preset, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "dtype": str(torch_dtype).replace("torch.", ""), "cuda_graphs": runner.use_graphs, "compiled": compile_steps,
+        "dtype": str(torch_dtype).replace("torch.", ""), "cuda_graphs": use_graphs, "compiled": compile_steps,
         "bandwidth_gbps": bw / 1e9, "weights_gb": {k: v / 1e9 for k, v in gb.items()},
         "floor_ms": floor_ms("ar"), "tokens_per_round_assumed": tokens_per_round, "rounds_timed": rounds,
         "startup_s": {"build_pair": build_s, "capture_graphs": capture_s}, "rows": rows,
@@ -172,15 +188,15 @@ def format_random_report(rep: dict) -> str:
         f"{w['drafter']:.3f} GB, head {w['head']:.3f} GB, LM head {w['lm_head']:.3f} GB; "
         f"plain-step floor {rep['floor_ms']:.3f} ms",
         f"start-up: pair built in {rep['startup_s']['build_pair']:.1f}s, graphs captured in "
-        f"{rep['startup_s']['capture_graphs']:.1f}s; implied speed-up at {rep['tokens_per_round_assumed']:g} "
-        f"tokens/round (assumed)",
+        + ", ".join(f"{v:.1f}s ({k})" for k, v in rep["startup_s"]["capture_graphs"].items())
+        + f"; implied speed-up at {rep['tokens_per_round_assumed']:g} tokens/round (assumed)",
     ]
-    head = (f"{'prompt':>6} {'mode':<10} {'N':>4} {'ms/round':>9} {'floor':>8} {'x floor':>8} {'x ar':>6} "
-            f"{'speed-up':>9} {'x short':>8} {'syncs':>5}")
+    head = (f"{'layers':<8} {'prompt':>6} {'mode':<10} {'N':>4} {'ms/round':>9} {'floor':>8} {'x floor':>8} "
+            f"{'x ar':>6} {'speed-up':>9} {'x short':>8} {'syncs':>5}")
     lines += [head, "-" * len(head)]
     for r in rep["rows"]:
         syncs = "-" if r["host_syncs_per_round"] is None else str(r["host_syncs_per_round"])
-        lines.append(f"{r['prompt_tokens']:>6} {r['mode']:<10} {r['tree_size']:>4} {r['ms_per_round']:>9.3f} "
+        lines.append(f"{'kernels' if r['layer_kernels'] else 'modules':<8} {r['prompt_tokens']:>6} {r['mode']:<10} {r['tree_size']:>4} {r['ms_per_round']:>9.3f} "
                      f"{r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.2f}x {r['ratio_to_ar']:>5.2f}x "
                      f"{r['implied_speedup']:>8.2f}x {r['ratio_to_shortest_prompt']:>7.2f}x {syncs:>5}")
         if "stages_ms" in r:

@@ -88,10 +88,16 @@ CASES = [("qwen3", m) for m in ("treeflash", "marginal", "chain", "ar")] + \
         [("qwen3-dflash", m) for m in ("marginal", "chain")]
 
 
+# The runtime's layers as the Hugging Face modules (the CPU default) and through the layer kernels'
+# merged projections and fused ops (the CUDA default; their PyTorch references here).
+LAYERS = pytest.mark.parametrize("layer_kernels", [False, True], ids=["modules", "layer-kernels"])
+
+
+@LAYERS
 @pytest.mark.parametrize("name,mode", CASES)
-def test_greedy_equals_verifier_with_real_drafter(load, references, name, mode):
+def test_greedy_equals_verifier_with_real_drafter(load, references, name, mode, layer_kernels):
     pair = load(name)
-    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, layer_kernels=layer_kernels)
     for i in range(len(PROMPTS)):
         res = generate(runner, _ids(pair, PROMPTS[i]), TreeConfig(mode=mode, **SETTINGS),
                        SamplingConfig(max_new_tokens=NEW_TOKENS))
@@ -99,14 +105,16 @@ def test_greedy_equals_verifier_with_real_drafter(load, references, name, mode):
         assert res.stats.new_tokens == NEW_TOKENS and res.stop_reason == "max_new_tokens"
 
 
+@LAYERS
 @pytest.mark.parametrize("name,mode", [c for c in CASES if c[1] != "ar"])
-def test_greedy_equals_verifier_with_oracle_drafter(load, references, name, mode):
+def test_greedy_equals_verifier_with_oracle_drafter(load, references, name, mode, layer_kernels):
     pair = load(name)
     gains = []
     for i in range(len(PROMPTS)):
         ids = _ids(pair, PROMPTS[i])
         ref = references(name, i)
-        runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + ref, seed=i)
+        runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + ref, seed=i,
+                              layer_kernels=layer_kernels)
         res = generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=NEW_TOKENS))
         assert res.token_ids == ref, (name, mode, i)
         gains += res.stats.accept_lengths

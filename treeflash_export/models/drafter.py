@@ -16,6 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from ..config import DrafterConfig
 from .common import apply_rope, attend, write_kv
+from .fused import FusedLayer, norm_args
 from .head import ARApproximationHead
 
 
@@ -79,6 +80,12 @@ class DrafterBackbone(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(H, eps=cfg.rms_norm_eps)
         self.norm = Qwen3RMSNorm(H, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.hf_config)
+        self.fused: list[FusedLayer] | None = None  # set by use_layer_kernels (the runtime's fast path)
+
+    def use_layer_kernels(self, on: bool = True) -> None:
+        """forward_cached runs the layers through merged projections and the layer kernels
+        (models.fused), or (off) through the modules, as the verifier's do."""
+        self.fused = [FusedLayer(layer, self.cfg.num_heads, self.cfg.head_dim) for layer in self.layers] if on else None
 
     def new_cache(self, capacity: int, *, device=None, dtype=None) -> torch.Tensor:
         w = self.fc.weight
@@ -150,6 +157,8 @@ class DrafterBackbone(nn.Module):
         from treeflash_kernels.ops import tree_attention
 
         dev = ctx_features.device
+        if self.fused is not None:
+            return self._fused_cached(ctx_features, ctx_start, ctx_count, block_embeds, cache, key_bound)
         ctx = self.hidden_norm(self.fc(ctx_features))
         ctx_slots = ctx_start + torch.arange(ctx_features.shape[0], device=dev)
         ctx_rope = self._rope(ctx, ctx_slots)
@@ -170,6 +179,42 @@ class DrafterBackbone(nn.Module):
             out = tree_attention(attn._q(h, *blk_rope), cache[i, 0], cache[i, 1], past_len, see_block, key_bound)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def _fused_cached(self, ctx_features, ctx_start, ctx_count, block_embeds, cache, key_bound):
+        """forward_cached with the layer kernels. Context rows and block rows share each layer's
+        q/k/v GEMM and its norm-RoPE-write kernel (the context rows' q goes unused); padding
+        rows get slot -1 (not written), so no two rows of one launch write the same slot."""
+        from treeflash_kernels.ops import add_rms_norm, tree_attention
+
+        dev, C = ctx_features.device, ctx_features.shape[0]
+        rows = torch.arange(C, device=dev)
+        ctx_slots = ctx_start + rows
+        _, ctx = add_rms_norm(self.fc(ctx_features), None, *norm_args(self.hidden_norm))
+        if block_embeds is None:  # ingesting context only (the prompt): k/v of the context rows
+            cos, sin = self._rope(ctx, ctx_slots)
+            write = torch.where(rows < ctx_count, ctx_slots, -1)
+            for i, fl in enumerate(self.fused):
+                fl.qkv(ctx, cos, sin, cache[i, 0], cache[i, 1], write)
+            return None
+        B = block_embeds.shape[0]
+        past_len = ctx_start + ctx_count
+        blk_slots = past_len + torch.arange(B, device=dev)
+        slots = torch.cat([ctx_slots, blk_slots])
+        cos, sin = self._rope(ctx, slots)
+        write = torch.cat([torch.where(rows < ctx_count, ctx_slots, -1), blk_slots])
+        see_block = torch.ones(B, B, dtype=torch.bool, device=dev)
+        norms = [layer.input_layernorm for layer in self.layers]
+        x, h = add_rms_norm(block_embeds, None, *norm_args(norms[0]))
+        for i, fl in enumerate(self.fused):
+            q = fl.qkv(torch.cat([ctx, h]), cos, sin, cache[i, 0], cache[i, 1], write)[:, C:]
+            out = tree_attention(q, cache[i, 0], cache[i, 1], past_len, see_block, key_bound)
+            x, h = add_rms_norm(x, fl.attn.o_proj(out), *fl.post_norm)
+            mlp_out = fl.mlp(h)
+            if i + 1 < len(norms):
+                x, h = add_rms_norm(x, mlp_out, *norm_args(norms[i + 1]))
+            else:
+                x = x + mlp_out
         return x
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .common import apply_rope, attend, write_kv
+from .fused import FusedLayer, norm_args
 
 
 class TreeVerifier(nn.Module):
@@ -37,6 +38,13 @@ class TreeVerifier(nn.Module):
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self.hidden_size = int(cfg.hidden_size)
         self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.fused: list[FusedLayer] | None = None  # set by use_layer_kernels (the runtime's fast path)
+
+    def use_layer_kernels(self, on: bool = True) -> None:
+        """forward_cached runs the layers through merged projections and the layer kernels
+        (models.fused), or (off) through the modules. The modules' weights become views of the
+        merged ones (no extra memory)."""
+        self.fused = [FusedLayer(layer, self.num_heads, self.head_dim) for layer in self.layers] if on else None
 
     @property
     def num_layers(self) -> int:
@@ -99,6 +107,8 @@ class TreeVerifier(nn.Module):
         from treeflash_kernels.ops import tree_attention
 
         slots = past_len + torch.arange(_check_inputs(tokens, positions, tree_mask), device=tokens.device)
+        if self.fused is not None:
+            return self._fused_layers(tokens, positions, cache, slots, tree_mask, past_len, key_bound, logit_rows)
 
         def attention(i, q, k, v):
             write_kv(cache[i], slots, k, v)
@@ -124,10 +134,34 @@ class TreeVerifier(nn.Module):
             if i in self.tap_layer_ids:
                 taps[i] = x[0]
         rows = x[0] if logit_rows is None else x[0, logit_rows]
-        logits = self.lm_head(self.norm(rows))
+        return self._with_taps(self.lm_head(self.norm(rows)), taps, x[0])
+
+    def _with_taps(self, logits, taps, x):
+        """(logits, the tapped layers' outputs side by side [n, T*H]; [n, 0] for plain decoding)."""
         if not self.tap_layer_ids:  # plain decoding: no drafter to feed
-            return logits, x.new_zeros(tokens.shape[0], 0)
+            return logits, x.new_zeros(x.shape[0], 0)
         return logits, torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1)
+
+    def _fused_layers(self, tokens, positions, cache, slots, tree_mask, past_len, key_bound, logit_rows):
+        """forward_cached's layers with the kernels: per layer one add+norm before attention (the
+        previous layer's closing add), q/k/v in one GEMM then one kernel (norms, RoPE, cache
+        write), attention, o_proj, add+norm, gate/up in one GEMM, SwiGLU, down."""
+        from treeflash_kernels.ops import add_rms_norm, tree_attention
+
+        x = self.embed_tokens(tokens)  # [n, H]
+        cos, sin = self.rotary_emb(x[None], positions[None])
+        cos, sin = cos[0], sin[0]
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        x, h = add_rms_norm(x, None, *norm_args(norms[0]))
+        taps = {}
+        for i, fl in enumerate(self.fused):
+            q = fl.qkv(h, cos, sin, cache[i, 0], cache[i, 1], slots)
+            out = tree_attention(q, cache[i, 0], cache[i, 1], past_len, tree_mask, key_bound)
+            x, h = add_rms_norm(x, fl.attn.o_proj(out), *fl.post_norm)
+            x, h = add_rms_norm(x, fl.mlp(h), *norm_args(norms[i + 1]))  # the next layer's norm, or the final one
+            if i in self.tap_layer_ids:
+                taps[i] = x
+        return self._with_taps(self.lm_head(h if logit_rows is None else h[logit_rows]), taps, x)
 
     def _qkv(self, attn, h, cos, sin):
         """h [n, H] -> q [Hq, n, D], k, v [Hkv, n, D], RoPE applied."""

@@ -1,0 +1,195 @@
+"""The decoder-layer kernels (treeflash_kernels.layer_ops) against their references (Triton's
+interpreter on CPU, compiled on CUDA), their custom ops, the merged projections, and the model
+forms that use them against the Hugging Face modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeflash_export.models import TreeVerifier
+from treeflash_export.models.fused import merge_linears
+from treeflash_export.tree import chain_tree
+from treeflash_kernels import layer_ops as lo
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(lo.triton is None, reason="triton is not installed (pip install triton)")
+
+
+def randn(*shape, seed=0, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def qkv_problem(n, Hq, Hkv, D, S, *, dtype=torch.float32, device=DEVICE, seed=0):
+    qkv = randn(n, (Hq + 2 * Hkv) * D, seed=seed, dtype=dtype, device=device)
+    qw, kw = randn(D, seed=seed + 1, dtype=dtype, device=device), randn(D, seed=seed + 2, dtype=dtype, device=device)
+    angles = randn(n, D // 2, seed=seed + 3, device=device) * 3
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    cache = randn(2, Hkv, S, D, seed=seed + 4, dtype=dtype, device=device)
+    return qkv, qw, kw, cos, sin, cache
+
+
+# ---------------------------------------------------------------- kernels vs references (float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("n,H", [(1, 64), (5, 96), (3, 40)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_kernel_matches_reference(n, H, with_delta):
+    x, d, w = randn(n, H, seed=1), randn(n, H, seed=2), randn(H, seed=3)
+    delta = d if with_delta else None
+    s, h = lo.add_rms_norm_triton(x, delta, w, 1e-5)
+    s_ref, h_ref = lo.add_rms_norm_reference(x, delta, w, 1e-5)
+    assert torch.equal(s, s_ref)  # one rounding of one add either way
+    assert (h - h_ref).abs().max() < 1e-5  # seen: about 5e-7
+
+
+@needs_triton
+@pytest.mark.parametrize("with_norm", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("n,Hq,Hkv,D", [(1, 4, 2, 16), (6, 6, 2, 32), (3, 4, 4, 16)])
+def test_qk_norm_rope_kernel_matches_reference(n, Hq, Hkv, D, with_norm):
+    qkv, qw, kw, cos, sin, cache = qkv_problem(n, Hq, Hkv, D, 24)
+    norms = (qw, kw) if with_norm else (None, None)
+    slots = torch.tensor([9, 3, -1, 17, 10, 11][:n], device=DEVICE)  # any order; -1: a padding row
+    before = cache.clone()
+    got_cache, want_cache = cache.clone(), cache.clone()
+    q = lo.qk_norm_rope_triton(qkv, *norms, 1e-6, cos, sin, got_cache[0], got_cache[1], slots, Hq)
+    q_ref = lo.qk_norm_rope_reference(qkv, *norms, 1e-6, cos, sin, want_cache[0], want_cache[1], slots, Hq)
+    assert q.shape == q_ref.shape == (Hq, n, D) and (q - q_ref).abs().max() < 1e-5
+    assert (got_cache - want_cache).abs().max() < 1e-5
+    written = slots[slots >= 0]
+    untouched = torch.ones(24, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.equal(got_cache[:, :, untouched], before[:, :, untouched])  # nothing else, no padding row
+    assert not torch.equal(got_cache[:, :, written], before[:, :, written])
+    # v goes in as it came out of the projection
+    v = qkv.view(n, Hq + 2 * Hkv, D)[:, Hq + Hkv:]
+    keep = slots >= 0
+    assert torch.equal(got_cache[1][:, slots[keep]], v[keep].transpose(0, 1))
+
+
+def test_qk_norm_rope_reference_is_the_module_composition():
+    """Per-head RMSNorm then rotate-half RoPE, as Qwen3's attention module computes them."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from treeflash_export.models.common import apply_rope
+
+    n, Hq, Hkv, D = 5, 4, 2, 16
+    qkv, qw, kw, cos, sin, cache = qkv_problem(n, Hq, Hkv, D, 12, device="cpu")
+    q_norm, k_norm = Qwen3RMSNorm(D, eps=1e-6), Qwen3RMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(qw), k_norm.weight.copy_(kw)
+        q, k, v = qkv.view(n, -1, D).split([Hq, Hkv, Hkv], dim=1)
+        want_q = apply_rope(q_norm(q).transpose(0, 1), cos, sin)
+        want_k = apply_rope(k_norm(k).transpose(0, 1), cos, sin)
+        got = lo.qk_norm_rope_reference(qkv, qw, kw, 1e-6, cos, sin, cache[0], cache[1], torch.arange(n), Hq)
+    assert torch.equal(got, want_q)
+    assert torch.equal(cache[0, :, :n], want_k) and torch.equal(cache[1, :, :n], v.transpose(0, 1))
+
+
+@needs_triton
+@pytest.mark.parametrize("n,I", [(1, 48), (4, 1500), (3, 17)])
+def test_silu_mul_kernel_matches_reference(n, I):
+    gu = randn(n, 2 * I, seed=4) * 4
+    assert (lo.silu_mul_triton(gu) - lo.silu_mul_reference(gu)).abs().max() < 1e-5
+
+
+def test_custom_ops_fake_and_cpu_paths():
+    """The ops' fake (meta) implementations agree with what they return (shapes, strides), as
+    torch.compile and the fake-tensor round check need."""
+    from treeflash_kernels.ops import add_rms_norm, qk_norm_rope, silu_mul
+
+    x, d, w = randn(3, 40, device="cpu"), randn(3, 40, seed=1, device="cpu"), randn(40, seed=2, device="cpu")
+    torch.library.opcheck(add_rms_norm, (x, d, w, 1e-6))
+    torch.library.opcheck(add_rms_norm, (x, None, w, 1e-6))
+    qkv, qw, kw, cos, sin, cache = qkv_problem(3, 4, 2, 16, 10, device="cpu")
+    torch.library.opcheck(qk_norm_rope, (qkv, qw, kw, 1e-6, cos, sin, cache[0], cache[1], torch.tensor([4, -1, 5]), 4))
+    torch.library.opcheck(silu_mul, (randn(3, 20, device="cpu"),))
+    s, h = add_rms_norm(x, None, w, 1e-6)
+    assert torch.equal(s, x) and s.data_ptr() != x.data_ptr()  # a copy, never an alias of an input
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_kernels_16_bit_cuda_track_the_modules(dtype):
+    """In 16-bit the kernels round where the modules do, so they differ from the references by
+    the order of a row's sum only: almost every element equal, none by more than a rounding step."""
+    x, d, w = randn(64, 4096, seed=1, dtype=dtype), randn(64, 4096, seed=2, dtype=dtype), randn(4096, seed=3,
+                                                                                                  dtype=dtype)
+    got, want = lo.add_rms_norm_triton(x, d, w, 1e-6), lo.add_rms_norm_reference(x, d, w, 1e-6)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] != want[1]).float().mean() < 0.01
+    qkv, qw, kw, cos, sin, cache = qkv_problem(64, 32, 8, 128, 256, dtype=dtype)
+    c1, c2 = cache.clone(), cache.clone()
+    slots = torch.arange(64, device="cuda") + 100
+    q1 = lo.qk_norm_rope_triton(qkv, qw, kw, 1e-6, cos, sin, c1[0], c1[1], slots, 32)
+    q2 = lo.qk_norm_rope_reference(qkv, qw, kw, 1e-6, cos, sin, c2[0], c2[1], slots, 32)
+    assert (q1 != q2).float().mean() < 0.02 and (c1 != c2).float().mean() < 0.02
+    assert (q1.float() - q2.float()).abs().max() < 0.1
+    gu = randn(64, 2 * 12288, seed=5, dtype=dtype)
+    assert (lo.silu_mul_triton(gu) != lo.silu_mul_reference(gu)).float().mean() < 0.01
+
+
+# ---------------------------------------------------------------- merged projections, model forms
+
+
+def test_merged_projections_are_views_and_keep_the_modules_exact(load):
+    pair = load("qwen3")
+    layer = pair.verifier.model.layers[0]
+    attn = layer.self_attn
+    h = randn(3, pair.verifier.config.hidden_size, seed=7, device="cpu")
+    with torch.no_grad():
+        before = [attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)]
+        weight, bias = merge_linears([attn.q_proj, attn.k_proj, attn.v_proj], "_treeflash_qkv", attn)
+        after = [attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)]
+    assert bias is None and weight.shape[0] == sum(t.shape[-1] for t in before)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    # One copy of the weights: the modules' parameters are row blocks of the merged tensor.
+    assert attn.q_proj.weight.data_ptr() == weight.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == weight[-attn.v_proj.weight.shape[0]:].data_ptr()
+    again = merge_linears([attn.q_proj, attn.k_proj, attn.v_proj], "_treeflash_qkv", attn)
+    assert again[0] is weight  # merging twice reuses the first merge
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_verifier_with_layer_kernels_equals_the_modules(load, name):
+    pair = load(name)
+    taps = pair.drafter_cfg.target_layer_ids
+    modules, kernels = TreeVerifier(pair.verifier, taps), TreeVerifier(pair.verifier, taps)
+    kernels.use_layer_kernels()
+    prompt = chain_tree(torch.arange(3, 20))
+    tree = (torch.tensor([7, 8, 9, 10]),
+            torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool))
+    outs = []
+    for v in (modules, kernels):
+        cache = v.new_cache(64)
+        first = v.forward_cached(prompt.tokens, prompt.depths, prompt.mask, cache, torch.tensor(0))
+        P = torch.tensor(17)
+        second = v.forward_cached(tree[0], P + tree[1].sum(-1) - 1, tree[1], cache, P, logit_rows=torch.tensor([3]))
+        outs.append((*first, *second, cache))
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() < 1e-5  # seen: identical on CPU
+
+
+@torch.no_grad()
+def test_drafter_with_layer_kernels_equals_the_modules(load):
+    """Padded context then the block, as a round feeds them: same z, same committed context K/V."""
+    pair = load("qwen3")
+    d, cfg = pair.drafter.model, pair.drafter_cfg
+    H, B, T = cfg.hidden_size, cfg.block_size, len(cfg.target_layer_ids)
+    feats, block = randn(11, T * H, seed=1, device="cpu"), randn(B, H, seed=2, device="cpu")
+    padded = torch.cat([feats[7:], randn(B - 4, T * H, seed=3, device="cpu")])
+    outs = []
+    try:
+        for on in (False, True):
+            d.use_layer_kernels(on)
+            cache = d.new_cache(48)
+            assert d.forward_cached(feats[:7], torch.tensor(0), torch.tensor(7), None, cache) is None
+            z = d.forward_cached(padded, torch.tensor(7), torch.tensor(4), block, cache)
+            outs.append((z, cache[:, :, :, :11]))
+    finally:
+        d.use_layer_kernels(False)
+    assert (outs[0][0] - outs[1][0]).abs().max() < 1e-5 and (outs[0][1] - outs[1][1]).abs().max() < 1e-5
