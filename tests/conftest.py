@@ -63,3 +63,31 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     cfg = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
     out = model.generate(torch.tensor([ids]), generation_config=cfg)
     return out[0, len(ids):].tolist()
+
+
+def compile_for_hopper(module: str, kernels: list[tuple[str, dict, dict, int]]) -> dict:
+    """triton.compile each (kernel name in ``module``, signature, constexprs, num_warps) for sm_90,
+    with no GPU, in a child process (where launches are interpreted, Triton cannot also generate
+    code in the same process) -> {entry name: {"sm90": PTX targets sm_90, "shared": bytes}}."""
+    import json
+    import subprocess
+    import sys
+
+    script = f"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import {module} as m
+out = {{}}
+for name, sig, consts, warps in {kernels!r}:
+    sig = dict(sig, **{{c: "constexpr" for c in consts}})
+    k = triton.compile(ASTSource(fn=getattr(m, name), signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    out[k.metadata.name] = dict(sm90=".target sm_90" in k.asm["ptx"], shared=k.metadata.shared)
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+

@@ -254,38 +254,20 @@ def test_random_weights_bench_reports_rows_against_floors():
 @needs_triton
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_attention_kernels_compile_for_hopper(dtype):
-    """Both kernels compile for sm_90 at Qwen3-8B's heads with no GPU present (in a child process:
-    where launches are interpreted, Triton cannot also generate code in the same process)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    """Both kernels compile for sm_90 at Qwen3-8B's heads with no GPU present."""
+    import math
 
-    script = f"""
-import json, math, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from treeflash_kernels import tree_attention as ta
-plan = ta.launch_plan(64, 32, 8, 8192, 128)
-T = "{dtype}"
-sig = dict(q_ptr="*" + T, k_ptr="*" + T, v_ptr="*" + T, len_ptr="*i64", mask_ptr="*i1", o_ptr="*fp32",
-           m_ptr="*fp32", l_ptr="*fp32", n="i32", G="i32", stride_kh="i32", stride_ks="i32", split_len="i32")
-consts = dict(SM_SCALE=1 / math.sqrt(128), PRECISION="ieee" if T == "fp32" else "tf32", HEAD_DIM=128,
-              BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"])
-out = {{}}
-for fn, sig, consts, warps in [
-        (ta.tree_attention_kernel, sig, consts, 4),
-        (ta.merge_splits_kernel, dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*" + T, n="i32",
-                                      G="i32", rows_per_split="i32"), dict(SPLITS=plan["splits"], HEAD_DIM=128), 1)]:
-    sig = dict(sig, **{{c: "constexpr" for c in consts}})
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps))
-    out[k.metadata.name] = dict(sm90=".target sm_90" in k.asm["ptx"], shared=k.metadata.shared)
-print(json.dumps(out))
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    from conftest import compile_for_hopper
+
+    plan = ta.launch_plan(64, 32, 8, 8192, 128)
+    T = "*" + dtype
+    sig = dict(q_ptr=T, k_ptr=T, v_ptr=T, len_ptr="*i64", mask_ptr="*i1", o_ptr="*fp32", m_ptr="*fp32",
+               l_ptr="*fp32", n="i32", G="i32", stride_kh="i32", stride_ks="i32", split_len="i32")
+    consts = dict(SM_SCALE=1 / math.sqrt(128), PRECISION="ieee" if dtype == "fp32" else "tf32", HEAD_DIM=128,
+                  BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"])
+    merge = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=T, n="i32", G="i32", rows_per_split="i32")
+    out = compile_for_hopper("treeflash_kernels.tree_attention", [
+        ("tree_attention_kernel", sig, consts, 4),
+        ("merge_splits_kernel", merge, dict(SPLITS=plan["splits"], HEAD_DIM=128), 1)])
     assert set(out) == {"tree_attention_kernel", "merge_splits_kernel"}
     assert all(k["sm90"] and k["shared"] <= 227 * 1024 for k in out.values()), out

@@ -132,6 +132,24 @@ def test_layer_kernels_16_bit_cuda_track_the_modules(dtype):
     assert (lo.silu_mul_triton(gu) != lo.silu_mul_reference(gu)).float().mean() < 0.01
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_layer_kernels_compile_for_hopper(dtype):
+    """The three kernels compile for sm_90 at Qwen3-8B's shapes with no GPU present."""
+    from conftest import compile_for_hopper
+
+    T = "*" + dtype
+    out = compile_for_hopper("treeflash_kernels.layer_ops", [
+        ("add_rms_norm_kernel", dict(x_ptr=T, d_ptr=T, w_ptr=T, H="i32", s_ptr=T, h_ptr=T),
+         dict(EPS=1e-6, HAS_DELTA=True, BLOCK_H=4096), 8),
+        ("qk_norm_rope_kernel", dict(qkv_ptr=T, qw_ptr=T, kw_ptr=T, cos_ptr=T, sin_ptr=T, slots_ptr="*i64", Hq="i32",
+                                     Hkv="i32", stride_kh="i64", stride_ks="i64", q_ptr=T, k_ptr=T, v_ptr=T),
+         dict(EPS=1e-6, HAS_NORM=True, HEAD_DIM=128), 1),
+        ("silu_mul_kernel", dict(gu_ptr=T, I="i32", out_ptr=T), dict(BLOCK=1024), 4)])
+    assert set(out) == {"add_rms_norm_kernel", "qk_norm_rope_kernel", "silu_mul_kernel"}, out
+    assert all(k["sm90"] for k in out.values()), out
+
+
 # ---------------------------------------------------------------- merged projections, model forms
 
 
