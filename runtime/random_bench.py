@@ -70,15 +70,17 @@ def _host_syncs(runner) -> int | None:
 
 
 def _stage_times(runner, count: int) -> dict[str, float]:
-    """Milliseconds per stage, eagerly and synchronised around each stage (graphs off meanwhile)."""
-    graphs, runner.use_graphs = runner.use_graphs, False
+    """Milliseconds per stage: inside the captured round where graphs are on (CUDA events between
+    the stages), else eagerly, synchronised around each stage."""
+    if runner.use_graphs:
+        return runner.graph_stage_times(count)
     runner.timer = {}
     try:
         for _ in range(count):
             runner.round()
         return {k: 1e3 * v / count for k, v in runner.timer.items()}
     finally:
-        runner.timer, runner.use_graphs = None, graphs
+        runner.timer = None
 
 
 def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, stages: bool) -> tuple[dict, float]:
@@ -99,7 +101,7 @@ def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, st
            "prompt_tokens": int(prompt.shape[0]), "ms_per_round": 1e3 * _time_rounds(runner, rounds),
            "prefill_ms": 1e3 * prefill_s, "host_syncs_per_round": _host_syncs(runner)}
     if stages:  # the breakdown times the eager stages one by one
-        row["stages_ms"] = _stage_times(runner, 3)
+        row["stages_ms"] = _stage_times(runner, 5)
     return row, max(first_s - prefill_s, 0.0)
 
 
@@ -200,6 +202,7 @@ def format_random_report(rep: dict) -> str:
                      f"{r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.2f}x {r['ratio_to_ar']:>5.2f}x "
                      f"{r['implied_speedup']:>8.2f}x {r['ratio_to_shortest_prompt']:>7.2f}x {syncs:>5}")
         if "stages_ms" in r:
-            lines.append("         stages (eager, synchronised): " +
+            how = "in the CUDA graph" if rep["cuda_graphs"] else "eager, synchronised"
+            lines.append(f"         stages ({how}): " +
                          ", ".join(f"{k} {v:.2f} ms" for k, v in r["stages_ms"].items()))
     return "\n".join(lines)

@@ -105,3 +105,25 @@ def test_cuda_graph_sampling_matches_verifier_distribution(mode, temperature, to
     n = 1200
     counts = sample_counts(runner, TreeConfig(mode=mode, tree_size=8, top_m=2, top_k=3), temperature, top_p, n)
     assert gof_pvalue(counts, probs, n) > ALPHA
+
+
+def test_cuda_graph_stage_times_leave_the_generation_unchanged(pair_dirs):
+    """The benchmark's in-graph stage breakdown: every stage timed, and the state restored, so the
+    rounds after it give the same tokens as rounds never interrupted."""
+    d = pair_dirs["qwen3"]
+    pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.float32)
+    prompt = torch.tensor(pair.tokenizer(PROMPTS[0])["input_ids"], device="cuda")
+    tree = TreeConfig(mode="treeflash", **SETTINGS)
+    streams = []
+    for timed in (False, True):
+        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+        tokens = [runner.begin(prompt, tree, SamplingConfig())]
+        for i in range(8):
+            if timed and i == 3:
+                past = int(runner.state.past_len)
+                times = runner.graph_stage_times(4)
+                assert set(times) == {"draft", "expand", "tree", "verify", "accept"}, times
+                assert all(ms > 0 for ms in times.values()) and int(runner.state.past_len) == past
+            tokens += runner.round()
+        streams.append(tokens)
+    assert streams[0] == streams[1]

@@ -96,6 +96,7 @@ class TorchRunner(Runner):
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.log = log or (lambda msg: None)
         self.timer: dict[str, float] | None = None  # stage name -> seconds, when a benchmark asks
+        self._marks: list | None = None  # (stage, start, end) CUDA events recorded into a timing capture
         self.state = self._allocate()
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
@@ -279,7 +280,15 @@ class TorchRunner(Runner):
 
     @contextlib.contextmanager
     def _stage(self, name: str):
-        """Times a stage when a benchmark set ``timer`` (synchronising around it; eager only)."""
+        """Times a stage when a benchmark asks: inside a timing capture (graph_stage_times) with
+        CUDA events recorded into the graph; eagerly with ``timer`` set, synchronising around it."""
+        if self._marks is not None and torch.cuda.is_current_stream_capturing():
+            start, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self._marks.append((name, start, end))
+            return
         if self.timer is None:
             yield
             return
@@ -289,6 +298,33 @@ class TorchRunner(Runner):
         yield
         sync()
         self.timer[name] = self.timer.get(name, 0.0) + time.perf_counter() - t0
+
+    def graph_stage_times(self, count: int) -> dict[str, float]:
+        """Milliseconds per stage of the current setting's round as it runs in a CUDA graph: a
+        separate capture with timing events between the stages, replayed ``count`` times from the
+        current state (restored before each replay, so the committed length stays where it is)."""
+        st = self.state
+        saved = [t.clone() for t in (st.past_len, st.root, st.pending, st.pending_count)]
+
+        def restore():
+            for dst, src in zip((st.past_len, st.root, st.pending, st.pending_count), saved):
+                dst.copy_(src)
+
+        self._marks = []
+        try:
+            step = self._ar_step if self.tree.mode == "ar" else self._round
+            graph = _Captured(step, (), self._pool, self.generator, restore)
+            totals = dict.fromkeys((name for name, _, _ in self._marks), 0.0)
+            for _ in range(count):
+                restore()
+                graph()
+                torch.cuda.synchronize(self.device)
+                for name, start, end in self._marks:
+                    totals[name] += start.elapsed_time(end)
+        finally:
+            self._marks = None
+            restore()
+        return {name: ms / count for name, ms in totals.items()}
 
     @staticmethod
     def _graph_key(tree: TreeConfig, sampling: SamplingConfig) -> tuple:
