@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo tiny-demo test gpu-install gpu-test gpu-bench clean
+.PHONY: setup demo tiny-demo test gpu-install gpu-test gpu-bench gpu-bench-compile clean
 
 setup: $(VENV)/.installed
 
@@ -49,23 +49,39 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 # On a GPU machine whose Python already has a CUDA torch (no network needed): install the project
-# into that Python, then run the tests (tritonserver ones aside) or the real-shape benchmark.
+# into that Python, then run the tests or the real-shape benchmark. Each target fits in one
+# 10-minute call of a lent machine: gpu-test (the GPU-specific tests first, stopping at the first
+# failure, then the rest), gpu-bench (both layer forms, every mode, prompts 512 and 8,192),
+# gpu-bench-compile (torch.compile over the modules: plain decoding and TreeFlash N = 64 only).
 GPU_OUT ?= artifacts/gpu
 PRESET ?= qwen3-8b
+GPU_TESTS := tests/test_cuda.py tests/test_layer_kernels.py tests/test_device_round.py tests/test_kernels.py
+GPU_TABLE := $(PYTHON) -c "import json, sys; [print(f.split('/')[-1], 'kernels' if r['layer_kernels'] else \
+  'modules', r['prompt_tokens'], r['mode'], r['tree_size'], '%.3f ms' % r['ms_per_round'], 'x floor %.2f' % \
+  r['ratio_to_floor'], 'x ar %.2f' % r['ratio_to_ar'], ' '.join('%s %.2f' % kv for kv in \
+  r.get('stages_ms', {}).items())) for f in sys.argv[1:] \
+  for r in json.load(open(f))['rows']]"
 
 gpu-install:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 
 gpu-test: gpu-install
-	$(PYTHON) -m pytest -q -m "not tritonserver" tests
+	mkdir -p $(GPU_OUT)
+	$(PYTHON) -m pytest -q -x -rs -m "not tritonserver" $(GPU_TESTS) 2>&1 | tee $(GPU_OUT)/gpu-tests.txt
+	$(PYTHON) -m pytest -q -rs -m "not tritonserver" tests $(addprefix --deselect ,$(GPU_TESTS)) 2>&1 \
+	  | tee $(GPU_OUT)/other-tests.txt
 
 gpu-bench: gpu-install
 	mkdir -p $(GPU_OUT)
-	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --json > $(GPU_OUT)/bench-eager.json
-	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --compile --no-stages --json \
-	  > $(GPU_OUT)/bench-compile.json
-	$(PYTHON) -c "import json, sys; [print(f, r['mode'], r['tree_size'], r['prompt_tokens'], round(r['ms_per_round'], 2), \
-	  round(r['ratio_to_floor'], 2)) for f in sys.argv[1:] for r in json.load(open(f))['rows']]" $(GPU_OUT)/bench-*.json
+	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --layer-kernels both --json \
+	  > $(GPU_OUT)/bench.json
+	$(GPU_TABLE) $(GPU_OUT)/bench.json
+
+gpu-bench-compile: gpu-install
+	mkdir -p $(GPU_OUT)
+	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --compile --layer-kernels off --no-stages \
+	  --modes treeflash --tree-sizes 64 --prompt-lengths 512 --json > $(GPU_OUT)/bench-compile.json
+	$(GPU_TABLE) $(GPU_OUT)/bench-compile.json
 
 clean:
 	rm -rf $(VENV) $(TINY)
