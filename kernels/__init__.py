@@ -2,7 +2,10 @@
 
 - ``mlp_expand``: the MLP expansion (head + final norm over every (position, parent)
   pair) as four Triton kernels, with ``mlp_expand_reference`` beside them.
-- ``ops``: ``torch.ops.treeflash.mlp_expand``, the custom op the PyTorch backend and
-  the ``plugin`` graph variant use.
+- ``tree_attention``: attention over the KV cache in place plus a tree of new nodes.
+- ``layer_ops``: a decoder layer's elementwise work (add + RMSNorm, q/k norm + RoPE + cache
+  write, SwiGLU) in three kernels, for the PyTorch backend's fast path.
+- ``ops``: all of them as ``torch.ops.treeflash`` custom ops (Triton on CUDA, the references
+  elsewhere); ``mlp_expand`` is also what the ``plugin`` graph variant exports.
 - ``bench``: ``treeflash-kernel-bench``, kernels vs eager vs the weight-reading floor.
 """

@@ -1,5 +1,6 @@
-"""The kernels as PyTorch custom ops: ``torch.ops.treeflash.mlp_expand`` (the MLP expansion)
-and ``torch.ops.treeflash.tree_attention`` (attention over the KV cache plus a tree).
+"""The kernels as PyTorch custom ops: ``torch.ops.treeflash.mlp_expand`` (the MLP expansion),
+``torch.ops.treeflash.tree_attention`` (attention over the KV cache plus a tree) and the layer
+ops ``add_rms_norm``, ``qk_norm_rope`` and ``silu_mul`` (treeflash_kernels.layer_ops).
 
 On CUDA (with triton installed) it runs the Triton kernels; elsewhere the plain
 PyTorch reference. Its fake (meta) implementation gives shapes to tracing, so the
