@@ -85,7 +85,9 @@ def _stage_times(runner, count: int) -> dict[str, float]:
 
 def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, stages: bool) -> tuple[dict, float]:
     """One row: prefill, then rounds (or plain steps) of this setting timed on the runner; and the
-    seconds its first begin spent beyond a plain prefill (graph capture, compilation)."""
+    seconds its first begin spent beyond a plain prefill (graph capture with the kernels' first
+    compilation, or torch.compile: a cold start's cost, which Triton's and Inductor's caches
+    spare a second process)."""
     dev = runner.device
     t0 = time.perf_counter()
     runner.begin(prompt, tree, SamplingConfig())  # the first begin of a setting also captures its graphs
@@ -144,19 +146,22 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
     capacity = max(prompt_lengths) + (warmup + rounds + 2 + (3 if stages else 0)) * block + longest
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, verifier.config.vocab_size, (plen,), generator=gen).to(dev) for plen in prompt_lengths]
-    rows, capture_s, use_graphs = [], {}, False
+    rows, capture_s, runner_s, use_graphs = [], {}, {}, False
     for kernels in layer_kernels:  # one runner per variant, over the same weights
+        t0 = time.perf_counter()
         runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile_steps,
                              layer_kernels=kernels, log=log)
+        _sync(dev)
         use_graphs, kernels = runner.use_graphs, runner.layer_kernels
         label = "layer kernels" if kernels else "modules"
+        runner_s[label] = time.perf_counter() - t0  # caches allocated, projections merged
         capture_s[label] = 0.0
         for prompt in prompts:
             ar_ms = None
             for tree in configs:
                 row, capture = _time_setting(runner, prompt, tree, rounds, warmup, stages and not compile_steps)
                 capture_s[label] += capture
-                row.update(layer_kernels=kernels, floor_ms=floor_ms(tree.mode))
+                row.update(layer_kernels=kernels, floor_ms=floor_ms(tree.mode), capture_s=capture)
                 row["ratio_to_floor"] = row["ms_per_round"] / row["floor_ms"]
                 if tree.mode == "ar":
                     ar_ms = row["ms_per_round"]
@@ -177,7 +182,7 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
         "dtype": str(torch_dtype).replace("torch.", ""), "cuda_graphs": use_graphs, "compiled": compile_steps,
         "bandwidth_gbps": bw / 1e9, "weights_gb": {k: v / 1e9 for k, v in gb.items()},
         "floor_ms": floor_ms("ar"), "tokens_per_round_assumed": tokens_per_round, "rounds_timed": rounds,
-        "startup_s": {"build_pair": build_s, "capture_graphs": capture_s}, "rows": rows,
+        "startup_s": {"build_pair": build_s, "runner": runner_s, "capture_graphs": capture_s}, "rows": rows,
     }
 
 
@@ -189,7 +194,9 @@ def format_random_report(rep: dict) -> str:
         f"copy bandwidth {rep['bandwidth_gbps']:.0f} GB/s; weights: verifier {w['verifier']:.3f} GB, drafter "
         f"{w['drafter']:.3f} GB, head {w['head']:.3f} GB, LM head {w['lm_head']:.3f} GB; "
         f"plain-step floor {rep['floor_ms']:.3f} ms",
-        f"start-up: pair built in {rep['startup_s']['build_pair']:.1f}s, graphs captured in "
+        f"start-up: pair built in {rep['startup_s']['build_pair']:.1f}s, runners made in "
+        + ", ".join(f"{v:.1f}s ({k})" for k, v in rep["startup_s"]["runner"].items())
+        + ", graphs captured in "
         + ", ".join(f"{v:.1f}s ({k})" for k, v in rep["startup_s"]["capture_graphs"].items())
         + f"; implied speed-up at {rep['tokens_per_round_assumed']:g} tokens/round (assumed)",
     ]

@@ -233,7 +233,8 @@ def test_random_weights_bench_reports_rows_against_floors():
     want = {(k, p, m, n) for k in (True, False) for p in (16, 40) for m, n in
             [("ar", 1), ("chain", 8), ("marginal", 8), ("marginal", 16), ("treeflash", 8), ("treeflash", 16)]}
     assert got == want and len(rep["rows"]) == len(want)
-    assert set(rep["startup_s"]["capture_graphs"]) == {"layer kernels", "modules"}
+    assert set(rep["startup_s"]["capture_graphs"]) == set(rep["startup_s"]["runner"]) == {"layer kernels", "modules"}
+    assert all(x["capture_s"] >= 0 for x in rep["rows"])
     by = {(x["layer_kernels"], x["prompt_tokens"], x["mode"], x["tree_size"]): x for x in rep["rows"]}
     for (k, p, mode, n), x in by.items():
         assert x["ms_per_round"] > 0 and x["ratio_to_floor"] == pytest.approx(x["ms_per_round"] / x["floor_ms"])
