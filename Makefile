@@ -55,9 +55,9 @@ test: setup
 # gpu-bench-compile (torch.compile over the modules: plain decoding and TreeFlash N = 64 only).
 GPU_OUT ?= artifacts/gpu
 PRESET ?= qwen3-8b
-GPU_TESTS := tests/test_cuda.py tests/test_layer_kernels.py tests/test_device_round.py tests/test_kernels.py
-GPU_TABLE := $(PYTHON) -c "import json, sys; [print(f.split('/')[-1], 'kernels' if r['layer_kernels'] else \
-  'modules', r['prompt_tokens'], r['mode'], r['tree_size'], '%.3f ms' % r['ms_per_round'], 'x floor %.2f' % \
+GPU_TESTS := tests/test_cuda.py tests/test_fast_kernels.py tests/test_device_round.py tests/test_kernels.py
+GPU_TABLE := $(PYTHON) -c "import json, sys; [print(f.split('/')[-1], 'kernels' if r['fast_kernels'] else \
+  'torch', r['prompt_tokens'], r['mode'], r['tree_size'], '%.3f ms' % r['ms_per_round'], 'x floor %.2f' % \
   r['ratio_to_floor'], 'x ar %.2f' % r['ratio_to_ar'], ' '.join('%s %.2f' % kv for kv in \
   r.get('stages_ms', {}).items())) for f in sys.argv[1:] \
   for r in json.load(open(f))['rows']]"
@@ -73,13 +73,13 @@ gpu-test: gpu-install
 
 gpu-bench: gpu-install
 	mkdir -p $(GPU_OUT)
-	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --layer-kernels both --json \
+	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --fast-kernels both --json \
 	  > $(GPU_OUT)/bench.json
 	$(GPU_TABLE) $(GPU_OUT)/bench.json
 
 gpu-bench-compile: gpu-install
 	mkdir -p $(GPU_OUT)
-	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --compile --layer-kernels off --no-stages \
+	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --compile --fast-kernels off --no-stages \
 	  --modes treeflash --tree-sizes 64 --prompt-lengths 512 --json > $(GPU_OUT)/bench-compile.json
 	$(GPU_TABLE) $(GPU_OUT)/bench-compile.json
 

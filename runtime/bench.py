@@ -98,14 +98,14 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, help="torch backend on CUDA: replay captured rounds.")
 @click.option("--compile/--no-compile", "compile_steps", default=False,
               help="With --random-weights: torch.compile the steps (see treeflash-run --compile).")
-@click.option("--layer-kernels", type=click.Choice(["auto", "on", "off", "both"]), default="auto",
-              help="With --random-weights: the decoder layers through the layer kernels (see treeflash-run "
-                   "--layer-kernels), through the Hugging Face modules, or both side by side in one run.")
+@click.option("--fast-kernels", type=click.Choice(["auto", "on", "off", "both"]), default="auto",
+              help="With --random-weights: the project's fast kernels on or off (see treeflash-run "
+                   "--fast-kernels), or both side by side in one run.")
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (eagerly, synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
-         concurrency, requests, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, layer_kernels, stages):
+         concurrency, requests, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, fast_kernels, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
     Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
@@ -114,7 +114,7 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
     """
     if preset is not None:
         _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
-                     device, dtype, cuda_graphs, compile_steps, layer_kernels, stages, as_json)
+                     device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json)
         return
     tree_sizes = tree_sizes or str(TreeConfig.tree_size)
     if server is not None:
@@ -137,7 +137,7 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
 
 
 def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
-                 device, dtype, cuda_graphs, compile_steps, layer_kernels, stages, as_json):
+                 device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json):
     from .random_bench import format_random_report, run_random_bench
 
     try:
@@ -147,7 +147,7 @@ def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds
             prompt_lengths=[int(n) for n in _split(prompt_lengths)], rounds=rounds, warmup=warmup,
             tokens_per_round=tokens_per_round, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
             compile_steps=compile_steps, stages=stages,
-            layer_kernels={"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}[layer_kernels],
+            fast_kernels={"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}[fast_kernels],
             log=lambda m: click.echo(m, err=True))
     except (TreeFlashError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)

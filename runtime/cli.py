@@ -12,7 +12,7 @@ from treeflash_export.errors import TreeFlashError
 
 _TREE = TreeConfig()
 _SAMPLING = SamplingConfig()
-_ON_OFF = {"auto": None, "on": True, "off": False}  # --layer-kernels
+_ON_OFF = {"auto": None, "on": True, "off": False}  # --fast-kernels
 
 
 class _Streamer:
@@ -76,10 +76,11 @@ class _Streamer:
 @click.option("--compile/--no-compile", "compile_steps", default=False,
               help="torch backend: torch.compile the prefill pass, the round and the plain step (Inductor fuses "
                    "the elementwise work; minutes the first time, cached under TREEFLASH_CACHE after).")
-@click.option("--layer-kernels", type=click.Choice(["auto", "on", "off"]), default="auto",
-              help="torch backend: run the decoder layers through merged q/k/v and gate/up projections and the "
-                   "project's fused norm, RoPE and SwiGLU kernels (Triton on CUDA; their PyTorch references "
-                   "elsewhere), or through the Hugging Face modules; auto = on on CUDA, off on CPU.")
+@click.option("--fast-kernels", type=click.Choice(["auto", "on", "off"]), default="auto",
+              help="torch backend: the project's launch-saving kernels (Triton on CUDA; their PyTorch references "
+                   "elsewhere): the decoder layers through merged q/k/v and gate/up projections and fused norm, "
+                   "RoPE and SwiGLU kernels, and the tree built in one kernel; off runs the Hugging Face modules "
+                   "and the tree build in PyTorch operations. auto = on on CUDA, off on CPU.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object (text and statistics) "
               "on stdout instead of streaming.")
 @click.option("--server", default=None, metavar="HOST:PORT",
@@ -89,7 +90,7 @@ class _Streamer:
               help="grpc: streamed as rounds are accepted; http: one response (Triton's generate endpoint).")
 def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
          drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
-         backend, device, dtype, cuda_graphs, compile_steps, layer_kernels, as_json, server, server_protocol):
+         backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol):
     """Generate text from a verifier with TreeFlash tree speculative decoding.
 
     Greedy output (--temperature 0) is token for token the verifier's own greedy
@@ -104,7 +105,7 @@ def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
 
 def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
          drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
-         backend, device, dtype, cuda_graphs, compile_steps, layer_kernels, as_json, server, server_protocol):
+         backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol):
     requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
                      drafter_temperature=drafter_temperature)
     SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed).validate()
@@ -140,12 +141,12 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
         sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
                                         device, dtype, log=lambda m: click.echo(m, err=True), cuda_graphs=cuda_graphs,
-                                        compile_steps=compile_steps, layer_kernels=_ON_OFF[layer_kernels])
+                                        compile_steps=compile_steps, fast_kernels=_ON_OFF[fast_kernels])
     else:
         sess = session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend,
                                       device=device, dtype=dtype, verify_checksums=verify_checksums,
                                       cuda_graphs=cuda_graphs, compile_steps=compile_steps,
-                                      layer_kernels=_ON_OFF[layer_kernels])
+                                      fast_kernels=_ON_OFF[fast_kernels])
     tree, runner, tok = sess.tree, sess.runner, sess.tokenizer
     if chat:
         if not getattr(tok, "chat_template", None):

@@ -45,7 +45,7 @@ def default_pair(log=None) -> tuple[str, str]:
 def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeConfig, capacity: int,
                              backend: str = "torch", device: str = "auto", dtype: str = "auto",
                              log=None, cuda_graphs: bool = True, compile_steps: bool = False,
-                             layer_kernels: bool | None = None) -> Session:
+                             fast_kernels: bool | None = None) -> Session:
     """model None: SmolLM2-135M-Instruct (converted on first use, progress through ``log``, which
     also reports CUDA graph captures) with ``drafter``, or with the demo drafter when that is None
     too."""
@@ -68,7 +68,7 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
 
     pair = load_pair(model, drafter if tree.mode != "ar" else None, dtype=torch_dtype, device=dev, check=check)
     runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity, cuda_graphs=cuda_graphs,
-                                       compile=compile_steps, layer_kernels=layer_kernels, log=log)
+                                       compile=compile_steps, fast_kernels=fast_kernels, log=log)
     return Session(runner, pair.tokenizer, tree, tuple(eos_token_ids(pair.tokenizer, pair.verifier)),
                    str(torch_dtype).replace("torch.", ""))
 
@@ -76,7 +76,7 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
 def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | None = None,
                            backend: str = "onnxruntime", device: str = "auto", dtype: str = "auto",
                            verify_checksums: bool = True, cuda_graphs: bool = True,
-                           compile_steps: bool = False, layer_kernels: bool | None = None) -> Session:
+                           compile_steps: bool = False, fast_kernels: bool | None = None) -> Session:
     """requested: tree settings given by the user (None = take the artifact's); mode 'ar' is
     plain decoding over the artifact's verify graph."""
     from treeflash_export.artifact import check_tree_request, load_artifact
@@ -98,7 +98,7 @@ def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | N
         src = art.manifest["sources"]
         sess = session_from_checkpoints(src["verifier"], src["drafter"], tree, art.shapes.capacity, "torch",
                                         device, art.dtype, cuda_graphs=cuda_graphs, compile_steps=compile_steps,
-                                        layer_kernels=layer_kernels)
+                                        fast_kernels=fast_kernels)
         return Session(sess.runner, tok, tree, art.stop_token_ids, art.dtype)
     cls = get_runner_class(backend)
     runner = cls(art) if backend == "onnxruntime" else cls(art, device="cuda" if device == "auto" else device)

@@ -109,7 +109,7 @@ def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, st
 
 def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: int, warmup: int, top_m: int,
                      top_k: int, tokens_per_round: float, device: str, dtype: str, cuda_graphs: bool,
-                     stages: bool, compile_steps: bool = False, layer_kernels: tuple[bool | None, ...] = (None,),
+                     stages: bool, compile_steps: bool = False, fast_kernels: tuple[bool | None, ...] = (None,),
                      seed: int = 0, log=None) -> dict:
     from treeflash_export.checkpoints import parse_dtype
     from treeflash_export.presets import random_pair, weight_bytes
@@ -147,13 +147,13 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, verifier.config.vocab_size, (plen,), generator=gen).to(dev) for plen in prompt_lengths]
     rows, capture_s, runner_s, use_graphs = [], {}, {}, False
-    for kernels in layer_kernels:  # one runner per variant, over the same weights
+    for kernels in fast_kernels:  # one runner per variant, over the same weights
         t0 = time.perf_counter()
         runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile_steps,
-                             layer_kernels=kernels, log=log)
+                             fast_kernels=kernels, log=log)
         _sync(dev)
-        use_graphs, kernels = runner.use_graphs, runner.layer_kernels
-        label = "layer kernels" if kernels else "modules"
+        use_graphs, kernels = runner.use_graphs, runner.fast_kernels
+        label = "fast kernels" if kernels else "torch ops"
         runner_s[label] = time.perf_counter() - t0  # caches allocated, projections merged
         capture_s[label] = 0.0
         for prompt in prompts:
@@ -161,7 +161,7 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
             for tree in configs:
                 row, capture = _time_setting(runner, prompt, tree, rounds, warmup, stages and not compile_steps)
                 capture_s[label] += capture
-                row.update(layer_kernels=kernels, floor_ms=floor_ms(tree.mode), capture_s=capture)
+                row.update(fast_kernels=kernels, floor_ms=floor_ms(tree.mode), capture_s=capture)
                 row["ratio_to_floor"] = row["ms_per_round"] / row["floor_ms"]
                 if tree.mode == "ar":
                     ar_ms = row["ms_per_round"]
@@ -173,9 +173,9 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     short = min(prompt_lengths)
-    by = {(r["layer_kernels"], r["mode"], r["tree_size"], r["prompt_tokens"]): r for r in rows}
+    by = {(r["fast_kernels"], r["mode"], r["tree_size"], r["prompt_tokens"]): r for r in rows}
     for r in rows:
-        base = by[r["layer_kernels"], r["mode"], r["tree_size"], short]
+        base = by[r["fast_kernels"], r["mode"], r["tree_size"], short]
         r["ratio_to_shortest_prompt"] = r["ms_per_round"] / base["ms_per_round"]
     return {
         "preset": preset, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -200,12 +200,12 @@ def format_random_report(rep: dict) -> str:
         + ", ".join(f"{v:.1f}s ({k})" for k, v in rep["startup_s"]["capture_graphs"].items())
         + f"; implied speed-up at {rep['tokens_per_round_assumed']:g} tokens/round (assumed)",
     ]
-    head = (f"{'layers':<8} {'prompt':>6} {'mode':<10} {'N':>4} {'ms/round':>9} {'floor':>8} {'x floor':>8} "
+    head = (f"{'path':<8} {'prompt':>6} {'mode':<10} {'N':>4} {'ms/round':>9} {'floor':>8} {'x floor':>8} "
             f"{'x ar':>6} {'speed-up':>9} {'x short':>8} {'syncs':>5}")
     lines += [head, "-" * len(head)]
     for r in rep["rows"]:
         syncs = "-" if r["host_syncs_per_round"] is None else str(r["host_syncs_per_round"])
-        lines.append(f"{'kernels' if r['layer_kernels'] else 'modules':<8} {r['prompt_tokens']:>6} {r['mode']:<10} {r['tree_size']:>4} {r['ms_per_round']:>9.3f} "
+        lines.append(f"{'kernels' if r['fast_kernels'] else 'torch':<8} {r['prompt_tokens']:>6} {r['mode']:<10} {r['tree_size']:>4} {r['ms_per_round']:>9.3f} "
                      f"{r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.2f}x {r['ratio_to_ar']:>5.2f}x "
                      f"{r['implied_speedup']:>8.2f}x {r['ratio_to_shortest_prompt']:>7.2f}x {syncs:>5}")
         if "stages_ms" in r:

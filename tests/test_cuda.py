@@ -29,10 +29,10 @@ def _greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("layer_kernels", [True, False], ids=["layer-kernels", "modules"])
+@pytest.mark.parametrize("fast_kernels", [True, False], ids=["fast-kernels", "torch-ops"])
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_fp32_greedy_equals_verifier(pair_dirs, name, mode, layer_kernels):
+def test_cuda_fp32_greedy_equals_verifier(pair_dirs, name, mode, fast_kernels):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     d = pair_dirs[name]
@@ -40,13 +40,13 @@ def test_cuda_fp32_greedy_equals_verifier(pair_dirs, name, mode, layer_kernels):
     for i, prompt in enumerate(PROMPTS):
         ids = pair.tokenizer(prompt)["input_ids"]
         ref = _greedy(pair.verifier, ids, 64)
-        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, layer_kernels=layer_kernels)
-        assert runner.use_graphs and runner.layer_kernels == layer_kernels
+        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, fast_kernels=fast_kernels)
+        assert runner.use_graphs and runner.fast_kernels == fast_kernels
         res = generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=64))
         assert res.token_ids == ref, (name, mode, i)
         if mode != "ar":
             oracle = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + ref, seed=i,
-                                  layer_kernels=layer_kernels)
+                                  fast_kernels=fast_kernels)
             res = generate(oracle, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=64))
             assert res.token_ids == ref, (name, mode, i, "oracle")
 

@@ -161,13 +161,13 @@ def test_in_place_drafter_equals_the_exported_form(load):
 MODES = [("treeflash", 0.0), ("marginal", 0.0), ("chain", 0.0), ("ar", 0.0), ("treeflash", 0.8)]
 
 
-@pytest.mark.parametrize("layer_kernels", [False, True], ids=["modules", "layer-kernels"])
+@pytest.mark.parametrize("fast_kernels", [False, True], ids=["torch-ops", "fast-kernels"])
 @pytest.mark.parametrize("mode,temperature", MODES)
-def test_round_reads_no_host_value(load, mode, temperature, layer_kernels):
+def test_round_reads_no_host_value(load, mode, temperature, fast_kernels):
     """What a CUDA graph needs: with the state as fake tensors (values unknown), any host read
     (.item(), int(), bool(), indexing with a 0-d tensor, nonzero, data-dependent shapes) raises."""
     pair = load("qwen3")
-    runner = TorchRunner(pair.verifier, pair.drafter, capacity=96, layer_kernels=layer_kernels)
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=96, fast_kernels=fast_kernels)
     tree = TreeConfig(mode=mode, tree_size=16, top_m=4, top_k=4).resolved(runner.block_size)
     runner.begin(torch.tensor([5, 6, 7, 8]), tree, SamplingConfig(temperature=temperature, top_p=0.9))
     runner.generator = None  # fake tensors cannot draw from a generator; the default one stands in
@@ -222,20 +222,20 @@ def test_random_weights_bench_reports_rows_against_floors():
 
     r = CliRunner().invoke(bench_main, ["--random-weights", "tiny", "--prompt-lengths", "16,40", "--tree-sizes",
                                         "8,16", "--top-m", "4", "--top-k", "4", "--rounds", "2", "--warmup", "1",
-                                        "--tokens-per-round", "2.5", "--layer-kernels", "both", "--json"])
+                                        "--tokens-per-round", "2.5", "--fast-kernels", "both", "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["bandwidth_gbps"] > 0 and rep["floor_ms"] > 0 and rep["dtype"] == "float32"
     w = rep["weights_gb"]
     assert rep["floor_ms"] == pytest.approx(w["verifier"] / rep["bandwidth_gbps"] * 1e3)
     # Both layer forms side by side (one runner each, over the same weights), each against its own plain step.
-    got = {(x["layer_kernels"], x["prompt_tokens"], x["mode"], x["tree_size"]) for x in rep["rows"]}
+    got = {(x["fast_kernels"], x["prompt_tokens"], x["mode"], x["tree_size"]) for x in rep["rows"]}
     want = {(k, p, m, n) for k in (True, False) for p in (16, 40) for m, n in
             [("ar", 1), ("chain", 8), ("marginal", 8), ("marginal", 16), ("treeflash", 8), ("treeflash", 16)]}
     assert got == want and len(rep["rows"]) == len(want)
-    assert set(rep["startup_s"]["capture_graphs"]) == set(rep["startup_s"]["runner"]) == {"layer kernels", "modules"}
+    assert set(rep["startup_s"]["capture_graphs"]) == set(rep["startup_s"]["runner"]) == {"fast kernels", "torch ops"}
     assert all(x["capture_s"] >= 0 for x in rep["rows"])
-    by = {(x["layer_kernels"], x["prompt_tokens"], x["mode"], x["tree_size"]): x for x in rep["rows"]}
+    by = {(x["fast_kernels"], x["prompt_tokens"], x["mode"], x["tree_size"]): x for x in rep["rows"]}
     for (k, p, mode, n), x in by.items():
         assert x["ms_per_round"] > 0 and x["ratio_to_floor"] == pytest.approx(x["ms_per_round"] / x["floor_ms"])
         ar = by[k, p, "ar", 1]["ms_per_round"]
@@ -247,7 +247,7 @@ def test_random_weights_bench_reports_rows_against_floors():
         assert x["ratio_to_shortest_prompt"] == pytest.approx(x["ms_per_round"] / by[k, 16, mode, n]["ms_per_round"])
     # The head is read in TreeFlash mode only.
     assert by[True, 16, "treeflash", 8]["floor_ms"] > by[True, 16, "marginal", 8]["floor_ms"]
-    assert "kernels " in format_random_report(rep) and "modules " in format_random_report(rep)
+    assert "kernels " in format_random_report(rep) and "torch " in format_random_report(rep)
     r = CliRunner().invoke(bench_main, ["--random-weights", "tiny", "--rounds", "0"])
     assert r.exit_code == 2 and "--rounds must be >= 1" in r.output
 

@@ -88,16 +88,17 @@ CASES = [("qwen3", m) for m in ("treeflash", "marginal", "chain", "ar")] + \
         [("qwen3-dflash", m) for m in ("marginal", "chain")]
 
 
-# The runtime's layers as the Hugging Face modules (the CPU default) and through the layer kernels'
-# merged projections and fused ops (the CUDA default; their PyTorch references here).
-LAYERS = pytest.mark.parametrize("layer_kernels", [False, True], ids=["modules", "layer-kernels"])
+# The runtime with the Hugging Face modules and the PyTorch tree build (the CPU default), and with the
+# fast kernels' merged projections, fused layer ops and one-kernel tree build (the CUDA default; their
+# PyTorch references here).
+KERNELS = pytest.mark.parametrize("fast_kernels", [False, True], ids=["torch-ops", "fast-kernels"])
 
 
-@LAYERS
+@KERNELS
 @pytest.mark.parametrize("name,mode", CASES)
-def test_greedy_equals_verifier_with_real_drafter(load, references, name, mode, layer_kernels):
+def test_greedy_equals_verifier_with_real_drafter(load, references, name, mode, fast_kernels):
     pair = load(name)
-    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, layer_kernels=layer_kernels)
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, fast_kernels=fast_kernels)
     for i in range(len(PROMPTS)):
         res = generate(runner, _ids(pair, PROMPTS[i]), TreeConfig(mode=mode, **SETTINGS),
                        SamplingConfig(max_new_tokens=NEW_TOKENS))
@@ -105,16 +106,16 @@ def test_greedy_equals_verifier_with_real_drafter(load, references, name, mode, 
         assert res.stats.new_tokens == NEW_TOKENS and res.stop_reason == "max_new_tokens"
 
 
-@LAYERS
+@KERNELS
 @pytest.mark.parametrize("name,mode", [c for c in CASES if c[1] != "ar"])
-def test_greedy_equals_verifier_with_oracle_drafter(load, references, name, mode, layer_kernels):
+def test_greedy_equals_verifier_with_oracle_drafter(load, references, name, mode, fast_kernels):
     pair = load(name)
     gains = []
     for i in range(len(PROMPTS)):
         ids = _ids(pair, PROMPTS[i])
         ref = references(name, i)
         runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + ref, seed=i,
-                              layer_kernels=layer_kernels)
+                              fast_kernels=fast_kernels)
         res = generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=NEW_TOKENS))
         assert res.token_ids == ref, (name, mode, i)
         gains += res.stats.accept_lengths

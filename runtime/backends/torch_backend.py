@@ -20,6 +20,7 @@ from treeflash_export.errors import ConfigError
 from treeflash_export.models import TreeVerifier
 from treeflash_export.models.expand import marginal_tables, treeflash_tables
 from treeflash_export.tree import Tables, Tree, build_tree
+from treeflash_kernels.build_tree import build_tree_fast
 
 from ..sampling import accept, choose_tokens
 from .base import Runner, allocate_caches
@@ -54,8 +55,8 @@ class DeviceState:
     out: torch.Tensor
 
 
-def layer_kernels_default(device: torch.device) -> bool:
-    """The layer kernels are on by default where they run as Triton kernels (CUDA, triton installed)."""
+def fast_kernels_default(device: torch.device) -> bool:
+    """The fast kernels are on by default where they run as Triton kernels (CUDA, triton installed)."""
     from treeflash_kernels import layer_ops
 
     return device.type == "cuda" and layer_ops.triton is not None
@@ -65,27 +66,30 @@ class TorchRunner(Runner):
     name = "torch"
 
     def __init__(self, verifier_hf, drafter=None, *, capacity: int, fused: bool = True,
-                 cuda_graphs: bool = True, compile: bool = False, layer_kernels: bool | None = None, log=None):
+                 cuda_graphs: bool = True, compile: bool = False, fast_kernels: bool | None = None, log=None):
         """verifier_hf: a Hugging Face causal LM; drafter: a TreeFlashDrafter or None (plain decoding only).
         fused: the TreeFlash head through torch.ops.treeflash.mlp_expand (the Triton kernels on CUDA,
         the PyTorch reference elsewhere) rather than the module composition.
         cuda_graphs: on CUDA, capture prefill passes, rounds and plain steps once each (per tree and
         sampling setting) and replay them; ignored elsewhere. compile: torch.compile the prefill pass,
         the round and the plain step (Inductor fuses the elementwise work between the GEMMs), with its
-        cache under the project's cache folder. layer_kernels: the decoder layers run through merged
-        projections and torch.ops.treeflash's layer kernels (models.fused: Triton on CUDA, the
-        PyTorch references elsewhere) rather than the Hugging Face modules; None = where the Triton
-        kernels run (on CPU the references only add dispatch cost). log: progress lines."""
+        cache under the project's cache folder. fast_kernels: kernels that save launches, each with
+        a PyTorch reference: the decoder layers through merged projections and the layer kernels
+        (models.fused, treeflash_kernels.layer_ops) rather than the Hugging Face modules, and the
+        tree built in one kernel (treeflash_kernels.build_tree, exactly the reference's tree);
+        None = where they run as Triton kernels (CUDA; on CPU the references only add dispatch
+        cost). log: progress lines."""
         self.drafter = drafter
         self.fused = fused
         tap_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
         self.verifier = TreeVerifier(verifier_hf, tap_ids)
         w = self.verifier.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
-        self.layer_kernels = layer_kernels_default(self.device) if layer_kernels is None else bool(layer_kernels)
-        self.verifier.use_layer_kernels(self.layer_kernels)
+        self.fast_kernels = fast_kernels_default(self.device) if fast_kernels is None else bool(fast_kernels)
+        self.verifier.use_layer_kernels(self.fast_kernels)
+        self.build_tree = build_tree_fast if self.fast_kernels else build_tree
         if drafter is not None:  # the drafter module is the caller's: its setting follows this runner's
-            drafter.model.use_layer_kernels(self.layer_kernels)
+            drafter.model.use_layer_kernels(self.fast_kernels)
         self.vocab_size = self.verifier.vocab_size
         self.block_size = drafter.cfg.block_size if drafter is not None else 1
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else -1
@@ -215,7 +219,7 @@ class TorchRunner(Runner):
         with self._stage("expand"):
             tables = self.tables(st.root, z, tree_cfg)
         with self._stage("tree"):
-            tree = build_tree(tables, st.root, tree_cfg.tree_size)
+            tree = self.build_tree(tables, st.root, tree_cfg.tree_size)
         with self._stage("verify"):
             logits, feats = self.verifier.forward_cached(tree.tokens, st.past_len + tree.depths, tree.mask, st.kv,
                                                          st.past_len, key_bound=bound)

@@ -1,6 +1,7 @@
-"""The decoder-layer kernels (treeflash_kernels.layer_ops) against their references (Triton's
-interpreter on CPU, compiled on CUDA), their custom ops, the merged projections, and the model
-forms that use them against the Hugging Face modules."""
+"""The fast kernels against their references (Triton's interpreter on CPU, compiled on CUDA): the
+decoder-layer kernels (treeflash_kernels.layer_ops) with their custom ops, the merged projections
+and the model forms that use them against the Hugging Face modules, and the one-kernel tree build
+(treeflash_kernels.build_tree) against treeflash_export.tree.build_tree."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def test_custom_ops_fake_and_cpu_paths():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_layer_kernels_16_bit_cuda_track_the_modules(dtype):
+def test_fast_kernels_16_bit_cuda_track_the_modules(dtype):
     """In 16-bit the kernels round where the modules do, so they differ from the references by
     the order of a row's sum only: almost every element equal, none by more than a rounding step."""
     x, d, w = randn(64, 4096, seed=1, dtype=dtype), randn(64, 4096, seed=2, dtype=dtype), randn(4096, seed=3,
@@ -134,7 +135,7 @@ def test_layer_kernels_16_bit_cuda_track_the_modules(dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_layer_kernels_compile_for_hopper(dtype):
+def test_fast_kernels_compile_for_hopper(dtype):
     """The three kernels compile for sm_90 at Qwen3-8B's shapes with no GPU present."""
     from conftest import compile_for_hopper
 
@@ -173,7 +174,7 @@ def test_merged_projections_are_views_and_keep_the_modules_exact(load):
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
-def test_verifier_with_layer_kernels_equals_the_modules(load, name):
+def test_verifier_with_fast_kernels_equals_the_modules(load, name):
     pair = load(name)
     taps = pair.drafter_cfg.target_layer_ids
     modules, kernels = TreeVerifier(pair.verifier, taps), TreeVerifier(pair.verifier, taps)
@@ -193,7 +194,7 @@ def test_verifier_with_layer_kernels_equals_the_modules(load, name):
 
 
 @torch.no_grad()
-def test_drafter_with_layer_kernels_equals_the_modules(load):
+def test_drafter_with_fast_kernels_equals_the_modules(load):
     """Padded context then the block, as a round feeds them: same z, same committed context K/V."""
     pair = load("qwen3")
     d, cfg = pair.drafter.model, pair.drafter_cfg
@@ -211,3 +212,68 @@ def test_drafter_with_layer_kernels_equals_the_modules(load):
     finally:
         d.use_layer_kernels(False)
     assert (outs[0][0] - outs[1][0]).abs().max() < 1e-5 and (outs[0][1] - outs[1][1]).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- the tree build in one kernel
+
+
+def random_tables(D, M, K, seed, *, ties=False, dead=0.0):
+    """Tables as the expand stage makes them (log-probabilities descending along K), with ties
+    (scores on a half-unit grid) and -inf entries (a fraction ``dead``) when asked, random links."""
+    from treeflash_export.tree import Tables
+
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(D, M, K, generator=g) * 3
+    if ties:
+        lp = (lp * 2).round() / 2
+    lp[torch.rand(D, M, K, generator=g) < dead] = float("-inf")
+    lp = lp.sort(-1, descending=True).values
+    nxt = torch.randint(-1, M, (D, M, K), generator=g)
+    nxt[-1] = -1
+    return Tables(torch.randint(0, 1000, (D, M, K), generator=g).to(DEVICE), lp.to(DEVICE), nxt.to(DEVICE))
+
+
+# (D, M, K, N): fewer candidates than W at depth 1, one parent row, one child, N = 2, a deep thin chain.
+TREE_SHAPES = [(3, 2, 3, 8), (4, 3, 4, 9), (1, 1, 4, 3), (2, 3, 2, 5), (5, 2, 2, 6), (4, 1, 1, 4), (2, 2, 3, 2)]
+
+
+@needs_triton
+@pytest.mark.parametrize("ties,dead", [(False, 0.0), (True, 0.0), (True, 0.5), (False, 0.95)],
+                         ids=["plain", "ties", "ties-dead", "mostly-dead"])
+@pytest.mark.parametrize("shape", TREE_SHAPES, ids=lambda s: "D{}-M{}-K{}-N{}".format(*s))
+def test_build_tree_kernel_equals_the_reference(shape, ties, dead):
+    """The same nodes in the same order (ties broken alike, padding nodes when too few drafts
+    exist), so the round is unchanged whichever builds the tree. Seen at Qwen3 shapes (D 15,
+    M = K = 16, N = 64) in a run by hand too; the interpreter is too slow for them in the suite."""
+    from treeflash_export.tree import build_tree
+    from treeflash_kernels.build_tree import build_tree_triton
+
+    D, M, K, N = shape
+    for seed in range(3):
+        tables = random_tables(D, M, K, seed, ties=ties, dead=dead)
+        root = torch.tensor([7], device=DEVICE)
+        want, got = build_tree(tables, root, N), build_tree_triton(tables, root, N)
+        for field in ("tokens", "parents", "depths", "mask", "valid"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (field, seed)
+
+
+def test_build_tree_fast_falls_back_beyond_the_kernel():
+    from treeflash_kernels.build_tree import kernel_fits
+
+    assert kernel_fits(15, 16, 64) and kernel_fits(15, 16, 128)
+    assert not kernel_fits(15, 16, 256)  # more nodes than one block's mask
+    assert not kernel_fits(15, 300, 64)  # 63 x 300 candidates per depth: more than one sort
+
+
+@needs_triton
+def test_build_tree_kernel_compiles_for_hopper():
+    """At the default setting for Qwen3 drafters (block 16, N = 64, top-16 children)."""
+    from conftest import compile_for_hopper
+
+    i64 = "*i64"
+    sig = dict(tok_ptr=i64, lp_ptr="*fp32", nxt_ptr=i64, root_ptr=i64, M="i32", K="i32", b_score="*fp32",
+               b_tok=i64, b_row=i64, b_slot=i64, node_of=i64, flat_of=i64, out_tok=i64, out_par=i64, out_dep=i64,
+               out_mask="*i1", out_valid="*i1")
+    out = compile_for_hopper("treeflash_kernels.build_tree",
+                             [("build_tree_kernel", sig, dict(D=15, W=63, CAND=1024, FLAT=1024, NP=64), 4)])
+    assert out["build_tree_kernel"]["sm90"], out
