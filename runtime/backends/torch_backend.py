@@ -20,7 +20,6 @@ from treeflash_export.errors import ConfigError
 from treeflash_export.models import TreeVerifier
 from treeflash_export.models.expand import marginal_tables, treeflash_tables
 from treeflash_export.tree import Tables, Tree, build_tree
-from treeflash_kernels.build_tree import build_tree_fast
 
 from ..sampling import accept, choose_tokens
 from .base import Runner, allocate_caches
@@ -57,9 +56,11 @@ class DeviceState:
 
 def fast_kernels_default(device: torch.device) -> bool:
     """The fast kernels are on by default where they run as Triton kernels (CUDA, triton installed)."""
+    if device.type != "cuda":
+        return False
     from treeflash_kernels import layer_ops
 
-    return device.type == "cuda" and layer_ops.triton is not None
+    return layer_ops.triton is not None
 
 
 class TorchRunner(Runner):
@@ -87,7 +88,12 @@ class TorchRunner(Runner):
         self.device, self.dtype = w.device, w.dtype
         self.fast_kernels = fast_kernels_default(self.device) if fast_kernels is None else bool(fast_kernels)
         self.verifier.use_layer_kernels(self.fast_kernels)
-        self.build_tree = build_tree_fast if self.fast_kernels else build_tree
+        if self.fast_kernels:
+            from treeflash_kernels.build_tree import build_tree_fast
+
+            self.build_tree = build_tree_fast
+        else:
+            self.build_tree = build_tree
         if drafter is not None:  # the drafter module is the caller's: its setting follows this runner's
             drafter.model.use_layer_kernels(self.fast_kernels)
         self.vocab_size = self.verifier.vocab_size
