@@ -277,3 +277,11 @@ def test_build_tree_kernel_compiles_for_hopper():
     out = compile_for_hopper("treeflash_kernels.build_tree",
                              [("build_tree_kernel", sig, dict(D=15, W=63, CAND=1024, FLAT=1024, NP=64), 4)])
     assert out["build_tree_kernel"]["sm90"], out
+
+
+def test_fast_kernels_are_on_by_default_only_where_triton_compiles_them():
+    from treeflash_runtime.backends.torch_backend import fast_kernels_default
+
+    assert fast_kernels_default(torch.device("cuda"), False) == (lo.triton is not None)
+    assert not fast_kernels_default(torch.device("cpu"), False)  # the references would only add dispatch
+    assert not fast_kernels_default(torch.device("cuda"), True)  # compiled: Inductor fuses over the modules

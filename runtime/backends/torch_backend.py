@@ -54,9 +54,10 @@ class DeviceState:
     out: torch.Tensor
 
 
-def fast_kernels_default(device: torch.device) -> bool:
-    """The fast kernels are on by default where they run as Triton kernels (CUDA, triton installed)."""
-    if device.type != "cuda":
+def fast_kernels_default(device: torch.device, compiled: bool) -> bool:
+    """The fast kernels are on by default where they run as Triton kernels (CUDA, triton installed),
+    unless the steps are compiled: then Inductor does the fusing, over the modules."""
+    if device.type != "cuda" or compiled:
         return False
     from treeflash_kernels import layer_ops
 
@@ -79,14 +80,16 @@ class TorchRunner(Runner):
         (models.fused, treeflash_kernels.layer_ops) rather than the Hugging Face modules, and the
         tree built in one kernel (treeflash_kernels.build_tree, exactly the reference's tree);
         None = where they run as Triton kernels (CUDA; on CPU the references only add dispatch
-        cost). log: progress lines."""
+        cost) and the steps are not compiled. log: progress lines."""
         self.drafter = drafter
         self.fused = fused
         tap_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
         self.verifier = TreeVerifier(verifier_hf, tap_ids)
         w = self.verifier.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
-        self.fast_kernels = fast_kernels_default(self.device) if fast_kernels is None else bool(fast_kernels)
+        if fast_kernels is None:
+            fast_kernels = fast_kernels_default(self.device, compile)
+        self.fast_kernels = bool(fast_kernels)
         self.verifier.use_layer_kernels(self.fast_kernels)
         if self.fast_kernels:
             from treeflash_kernels.build_tree import build_tree_fast
