@@ -3,9 +3,9 @@
 The reference is ``treeflash_export.tree.build_tree``: a depth-synchronous beam of width
 W = N - 1 over the tables, then the best W nodes over all depths, under the total order
 (score desc, then the entry's index in the flattened candidate list asc). In PyTorch it is
-about 20 small operations per depth plus the ancestor mask, some 500 kernel launches for a
-block of 16; here it is one program (one thread block) that keeps the beam in a scratch
-buffer and orders each depth's candidates with one sort.
+about 20 small operations per depth plus the ancestor mask, some 530 operators (nearly all
+kernel launches) for a block of 16; here it is one program (one thread block) that keeps the
+beam in a scratch buffer and orders each depth's candidates with one sort.
 
 The order is reproduced exactly: each candidate becomes one int64 key, its float32 score
 mapped to an order-preserving int32 in the high half and (its index counted from the end)
@@ -68,8 +68,8 @@ if triton is not None:
                           NP: tl.constexpr):
         """Tables tok/nxt [D, M, K] int64 and lp [D, M, K] float32 -> the tree's five tensors.
         Scratch: b_* [D * W] (the beam of each depth, best first), node_of [D * W], flat_of [W]."""
-        c = tl.arange(0, CAND)
-        j = tl.arange(0, CAND)
+        c = tl.arange(0, CAND)  # a candidate's index
+        j = tl.arange(0, CAND)  # a position in the sorted order (the beam keeps j < W)
         # Depth 1: the root's children (row 0 of depth 0), K of them, padded to W with -inf.
         ok = c < K
         s = tl.load(lp_ptr + c, mask=ok, other=float("-inf"))
