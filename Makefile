@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo tiny-demo test gpu-install gpu-test gpu-bench gpu-bench-compile clean
+.PHONY: setup demo tiny-demo test gpu-install gpu-test gpu-bench gpu-bench-compile gpu-startup clean
 
 setup: $(VENV)/.installed
 
@@ -51,8 +51,9 @@ test: setup
 # On a GPU machine whose Python already has a CUDA torch (no network needed): install the project
 # into that Python, then run the tests or the real-shape benchmark. Each target fits in one
 # 10-minute call of a lent machine: gpu-test (the GPU-specific tests first, stopping at the first
-# failure, then the rest), gpu-bench (both layer forms, every mode, prompts 512 and 8,192),
-# gpu-bench-compile (torch.compile over the modules: plain decoding and TreeFlash N = 64 only).
+# failure, then the rest), gpu-bench (fast kernels on and off, every mode, prompts 512 and 8,192),
+# gpu-startup (seconds before the first token, cold and warm), gpu-bench-compile (torch.compile
+# over the modules: plain decoding and TreeFlash N = 64 only).
 GPU_OUT ?= artifacts/gpu
 PRESET ?= qwen3-8b
 GPU_TESTS := tests/test_cuda.py tests/test_fast_kernels.py tests/test_device_round.py tests/test_kernels.py
@@ -76,6 +77,24 @@ gpu-bench: gpu-install
 	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --fast-kernels both --json \
 	  > $(GPU_OUT)/bench.json
 	$(GPU_TABLE) $(GPU_OUT)/bench.json
+
+# Start-up before the first token, in a fresh process: a random pair written as checkpoints outside
+# GPU_OUT (16.4 GB for qwen3-8b), then treeflash-run twice, with an empty Triton cache (cold) and
+# with the one the first run filled (warm). Files read from the page cache both times.
+PAIR_DIR ?= /tmp/treeflash-random-$(PRESET)
+gpu-startup: gpu-install
+	mkdir -p $(GPU_OUT)
+	test -d $(PAIR_DIR) || $(PYTHON) -m treeflash_export.cli random-pair --preset $(PRESET) --out $(PAIR_DIR)
+	rm -rf $(PAIR_DIR).triton-cache
+	for run in cold warm; do \
+	  start=$$($(PYTHON) -c "import time; print(time.time())"); \
+	  TRITON_CACHE_DIR=$(PAIR_DIR).triton-cache $(PYTHON) -m treeflash_runtime.cli --model $(PAIR_DIR)/verifier \
+	    --drafter $(PAIR_DIR)/drafter --prompt "$(PROMPT)" --max-new-tokens 8 --ignore-eos --json \
+	    > $(GPU_OUT)/startup-$$run.json || exit 1; \
+	  $(PYTHON) -c "import json, sys, time; r = json.load(open(sys.argv[2])); print(sys.argv[1], \
+	    'process %.1f s (to exit), load %.1f s, first token %.1f s after loading began' % (time.time() - \
+	    float(sys.argv[3]), r['load_s'], r['first_token_s']))" $$run $(GPU_OUT)/startup-$$run.json $$start; \
+	done
 
 gpu-bench-compile: gpu-install
 	mkdir -p $(GPU_OUT)

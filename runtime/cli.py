@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 
@@ -137,6 +138,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    t_load = time.perf_counter()
     if artifacts is None:
         tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
         sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
@@ -147,6 +149,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
                                       device=device, dtype=dtype, verify_checksums=verify_checksums,
                                       cuda_graphs=cuda_graphs, compile_steps=compile_steps,
                                       fast_kernels=_ON_OFF[fast_kernels])
+    load_s = time.perf_counter() - t_load  # checkpoints read, caches allocated
     tree, runner, tok = sess.tree, sess.runner, sess.tokenizer
     if chat:
         if not getattr(tok, "chat_template", None):
@@ -171,6 +174,9 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
             "rounds": s.rounds, "accept_lengths": s.accept_lengths, "mean_accepted": s.mean_accepted,
             "new_tokens": s.new_tokens, "elapsed_s": s.elapsed_s, "tokens_per_s": s.tokens_per_s,
             "prefill_s": s.prefill_s, "prompt_tokens": s.prompt_tokens, "stop_reason": result.stop_reason,
+            # start-up: loading, then the first begin (graph capture and kernel compilation on a first
+            # run of a setting, then the prefill) up to the first token
+            "load_s": load_s, "first_token_s": load_s + s.prefill_s,
             "tree_size": resolved.tree_size, "top_m": resolved.top_m, "top_k": resolved.top_k,
             "temperature": temperature, "top_p": top_p, "seed": seed, "device": str(runner.device), "dtype": sess.dtype,
             "artifacts": artifacts,

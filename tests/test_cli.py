@@ -1,4 +1,4 @@
-"""`treeflash-run` and `treeflash-export tiny-pair`: JSON output, streaming, and one-line errors."""
+"""`treeflash-run`, `treeflash-export tiny-pair` and `random-pair`: JSON output, streaming, and one-line errors."""
 
 from __future__ import annotations
 
@@ -176,6 +176,29 @@ def test_export_tiny_pair_command(tmp_path):
     assert (tmp_path / "p" / "drafter" / "model.safetensors").is_file()
     r = CliRunner().invoke(export_main, ["tiny-pair", "--out", str(tmp_path / "p")])
     assert r.exit_code != 0 and "already exists" in r.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_export_random_pair_command_runs_exactly(tmp_path):
+    """A random pair at a preset's shapes written as checkpoints, for timing start-up on a GPU:
+    it loads, runs TreeFlash exactly, and the JSON reports the start-up split."""
+    import torch
+
+    from treeflash_export.checkpoints import load_pair
+
+    out = tmp_path / "rp"
+    r = CliRunner().invoke(export_main, ["random-pair", "--preset", "tiny", "--out", str(out), "--device", "cpu"])
+    assert r.exit_code == 0, r.stderr
+    assert "building a random tiny pair on cpu (float32)" in r.stderr
+    r = invoke(*pair_args(out), "--prompt", "def f(x):", "--max-new-tokens", 12, "--tree-size", 16, "--ignore-eos",
+               "--json")
+    assert r.exit_code == 0, r.stderr
+    res = json.loads(r.stdout)
+    pair = load_pair(str(out / "verifier"), str(out / "drafter"), dtype=torch.float32)
+    assert res["token_ids"] == hf_greedy(pair.verifier, pair.tokenizer("def f(x):")["input_ids"], 12)
+    assert res["load_s"] > 0 and res["first_token_s"] == pytest.approx(res["load_s"] + res["prefill_s"])
+    r = CliRunner().invoke(export_main, ["random-pair", "--preset", "tiny", "--out", str(out)])
+    assert r.exit_code == 2 and "already exists" in r.stderr
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 

@@ -9,6 +9,7 @@ import click
 from .config import MODES
 from .errors import TreeFlashError
 from .export import TARGETS, VARIANTS, BuildConfig
+from .presets import PRESETS
 
 _B = BuildConfig()
 
@@ -201,6 +202,45 @@ def tiny_pair(out, family, layout, block_size, seed):
     try:
         click.echo(f"writing a tiny {family} verifier and {layout} drafter to {out} ...", err=True)
         write_tiny_pair(out, family=family, layout=layout, block_size=block_size, seed=seed)
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(str(out))
+
+
+@main.command("random-pair")
+@click.option("--preset", required=True, type=click.Choice(sorted(PRESETS)),
+              help="Shapes: a released model's (qwen3-8b, qwen3-4b) or tiny.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder to create (must not exist).")
+@click.option("--device", default="auto", help="Where the weights are made: auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              help="auto = bfloat16 on CUDA, float32 on CPU.")
+@click.option("--seed", type=int, default=0)
+def random_pair_cmd(preset, out, device, dtype, seed):
+    """Write a random-weight pair at a released model's shapes as checkpoints (OUT/verifier,
+    OUT/drafter), fully offline.
+
+    For timing what needs files (loading, start-up before the first token:
+    `time treeflash-run --model OUT/verifier --drafter OUT/drafter --max-new-tokens 1 ...`).
+    The weights are random, so drafts are hardly ever accepted and the text is noise; the
+    verifier carries a small stand-in tokenizer. Qwen3-8B's shapes take about 16.4 GB on disk.
+    """
+    from pathlib import Path
+
+    from .checkpoints import parse_dtype
+    from .presets import write_random_pair
+
+    if Path(out).exists():
+        click.echo(f"error: {out} already exists; remove it or choose another --out", err=True)
+        sys.exit(2)
+    dev = device
+    if dev == "auto":
+        import torch
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
+    try:
+        write_random_pair(out, preset, device=dev, dtype=torch_dtype, seed=seed, log=lambda m: click.echo(m, err=True))
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -94,3 +94,39 @@ def random_pair(name: str, *, device: str | torch.device, dtype: torch.dtype, se
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters (a tied tensor counted once: parameters() skips repeats)."""
     return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def write_random_pair(out, name: str, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0, log=None):
+    """Writes a random pair as checkpoints (out/verifier, out/drafter: the released layouts), for
+    timing what needs files: loading, start-up before the first token. The verifier carries the tiny
+    pair's stand-in tokenizer (512 entries; ids past it decode to nothing), so treeflash-run takes
+    text prompts. Written atomically (a temporary folder renamed at the end)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from .fsutil import atomic_folder
+    from .tiny import build_tokenizer
+
+    log = log or (lambda msg: None)
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    _, dcfg = preset_configs(name)
+    with atomic_folder(out) as tmp:
+        log(f"building a random {name} pair on {device} ({str(dtype).replace('torch.', '')})")
+        verifier, drafter = random_pair(name, device=device, dtype=dtype, seed=seed)
+        tok = build_tokenizer(512)
+        eos = tok.convert_tokens_to_ids("<|endoftext|>")
+        verifier.generation_config.eos_token_id = eos
+        verifier.generation_config.pad_token_id = eos
+        log(f"writing {weight_bytes(verifier) / 1e9:.2f} GB of verifier and {weight_bytes(drafter) / 1e9:.2f} GB "
+            f"of drafter weights to {out}")
+        verifier.save_pretrained(tmp / "verifier")
+        tok.save_pretrained(tmp / "verifier")
+        (tmp / "drafter").mkdir()
+        dcfg.dtype = dtype
+        dcfg.save_pretrained(tmp / "drafter")
+        state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+        save_file(state, str(tmp / "drafter" / "model.safetensors"), metadata={"format": "pt"})
+    return out
