@@ -69,21 +69,26 @@ def _host_syncs(runner) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def _stage_times(runner, count: int) -> dict[str, float]:
-    """Milliseconds per stage: inside the captured round where graphs are on (CUDA events between
-    the stages), else eagerly, synchronised around each stage."""
+def _stage_times(runner, count: int, log) -> tuple[dict[str, float], str]:
+    """(milliseconds per stage, how): inside the captured round where graphs are on (CUDA events
+    between the stages), else, or should that fail, eagerly, synchronised around each stage."""
     if runner.use_graphs:
-        return runner.graph_stage_times(count)
+        try:
+            return runner.graph_stage_times(count), "in the CUDA graph"
+        except RuntimeError as exc:  # keep the row: the eager breakdown still says where time goes
+            log(f"  stage times in the graph failed ({str(exc).splitlines()[0]}); timing them eagerly")
+    graphs, runner.use_graphs = runner.use_graphs, False
     runner.timer = {}
     try:
         for _ in range(count):
             runner.round()
-        return {k: 1e3 * v / count for k, v in runner.timer.items()}
+        return {k: 1e3 * v / count for k, v in runner.timer.items()}, "eager, synchronised"
     finally:
-        runner.timer = None
+        runner.timer, runner.use_graphs = None, graphs
 
 
-def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, stages: bool) -> tuple[dict, float]:
+def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, stages: bool,
+                  log) -> tuple[dict, float]:
     """One row: prefill, then rounds (or plain steps) of this setting timed on the runner; and the
     seconds its first begin spent beyond a plain prefill (graph capture with the kernels' first
     compilation, or torch.compile: a cold start's cost, which Triton's and Inductor's caches
@@ -103,7 +108,7 @@ def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, st
            "prompt_tokens": int(prompt.shape[0]), "ms_per_round": 1e3 * _time_rounds(runner, rounds),
            "prefill_ms": 1e3 * prefill_s, "host_syncs_per_round": _host_syncs(runner)}
     if stages:  # the breakdown times the eager stages one by one
-        row["stages_ms"] = _stage_times(runner, 5)
+        row["stages_ms"], row["stages_how"] = _stage_times(runner, 5, log)
     return row, max(first_s - prefill_s, 0.0)
 
 
@@ -159,7 +164,7 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
         for prompt in prompts:
             ar_ms = None
             for tree in configs:
-                row, capture = _time_setting(runner, prompt, tree, rounds, warmup, stages and not compile_steps)
+                row, capture = _time_setting(runner, prompt, tree, rounds, warmup, stages and not compile_steps, log)
                 capture_s[label] += capture
                 row.update(fast_kernels=kernels, floor_ms=floor_ms(tree.mode), capture_s=capture)
                 row["ratio_to_floor"] = row["ms_per_round"] / row["floor_ms"]
@@ -209,7 +214,6 @@ def format_random_report(rep: dict) -> str:
                      f"{r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.2f}x {r['ratio_to_ar']:>5.2f}x "
                      f"{r['implied_speedup']:>8.2f}x {r['ratio_to_shortest_prompt']:>7.2f}x {syncs:>5}")
         if "stages_ms" in r:
-            how = "in the CUDA graph" if rep["cuda_graphs"] else "eager, synchronised"
-            lines.append(f"         stages ({how}): " +
+            lines.append(f"         stages ({r['stages_how']}): " +
                          ", ".join(f"{k} {v:.2f} ms" for k, v in r["stages_ms"].items()))
     return "\n".join(lines)

@@ -244,6 +244,7 @@ def test_random_weights_bench_reports_rows_against_floors():
             assert x["implied_speedup"] == pytest.approx(2.5 * ar / x["ms_per_round"])
             assert x["floor_ms"] > rep["floor_ms"] and set(x["stages_ms"]) == {"draft", "expand", "tree", "verify",
                                                                                "accept"}
+            assert x["stages_how"] == "eager, synchronised"  # no CUDA graphs on CPU
         assert x["ratio_to_shortest_prompt"] == pytest.approx(x["ms_per_round"] / by[k, 16, mode, n]["ms_per_round"])
     # The head is read in TreeFlash mode only.
     assert by[True, 16, "treeflash", 8]["floor_ms"] > by[True, 16, "marginal", 8]["floor_ms"]
