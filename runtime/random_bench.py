@@ -151,43 +151,56 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
     capacity = max(prompt_lengths) + (warmup + rounds + 2 + (3 if stages else 0)) * block + longest
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, verifier.config.vocab_size, (plen,), generator=gen).to(dev) for plen in prompt_lengths]
-    rows, capture_s, runner_s, use_graphs = [], {}, {}, False
+    rows, capture_s, runner_s, failed, use_graphs = [], {}, {}, {}, False
     for kernels in fast_kernels:  # one runner per variant, over the same weights
-        t0 = time.perf_counter()
-        runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs, compile=compile_steps,
-                             fast_kernels=kernels, log=log)
-        _sync(dev)
-        use_graphs, kernels = runner.use_graphs, runner.fast_kernels
-        label = "fast kernels" if kernels else "torch ops"
-        runner_s[label] = time.perf_counter() - t0  # caches allocated, projections merged
-        capture_s[label] = 0.0
-        for prompt in prompts:
-            ar_ms = None
-            for tree in configs:
-                row, capture = _time_setting(runner, prompt, tree, rounds, warmup, stages and not compile_steps, log)
-                capture_s[label] += capture
-                row.update(fast_kernels=kernels, floor_ms=floor_ms(tree.mode), capture_s=capture)
-                row["ratio_to_floor"] = row["ms_per_round"] / row["floor_ms"]
-                if tree.mode == "ar":
-                    ar_ms = row["ms_per_round"]
-                row["ratio_to_ar"] = row["ms_per_round"] / ar_ms
-                row["implied_speedup"] = tokens_per_round * ar_ms / row["ms_per_round"] if tree.mode != "ar" else 1.0
-                rows.append(row)
-                log(f"  {label} P={row['prompt_tokens']} {tree.mode} N={tree.tree_size}: {row['ms_per_round']:.2f} ms")
-        del runner
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        label = {True: "fast kernels", False: "torch ops", None: "auto"}[kernels]
+        runner = None
+        try:
+            t0 = time.perf_counter()
+            runner = TorchRunner(verifier, drafter, capacity=capacity, cuda_graphs=cuda_graphs,
+                                 compile=compile_steps, fast_kernels=kernels, log=log)
+            _sync(dev)
+            use_graphs, kernels = runner.use_graphs, runner.fast_kernels
+            label = "fast kernels" if kernels else "torch ops"
+            runner_s[label] = time.perf_counter() - t0  # caches allocated, projections merged
+            capture_s[label] = 0.0
+            for prompt in prompts:
+                ar_ms = None
+                for tree in configs:
+                    row, capture = _time_setting(runner, prompt, tree, rounds, warmup, stages and not compile_steps,
+                                                 log)
+                    capture_s[label] += capture
+                    row.update(fast_kernels=kernels, floor_ms=floor_ms(tree.mode), capture_s=capture)
+                    row["ratio_to_floor"] = row["ms_per_round"] / row["floor_ms"]
+                    if tree.mode == "ar":
+                        ar_ms = row["ms_per_round"]
+                    row["ratio_to_ar"] = row["ms_per_round"] / ar_ms
+                    row["implied_speedup"] = (tokens_per_round * ar_ms / row["ms_per_round"] if tree.mode != "ar"
+                                              else 1.0)
+                    rows.append(row)
+                    log(f"  {label} P={row['prompt_tokens']} {tree.mode} N={tree.tree_size}: "
+                        f"{row['ms_per_round']:.2f} ms")
+        except Exception as exc:  # comparing paths: one failing (a kernel new to a device) keeps the other's rows
+            if len(fast_kernels) == 1:
+                raise
+            failed[label] = f"{type(exc).__name__}: {exc}"[:2000]
+            log(f"  {label} failed: {failed[label].splitlines()[0]}")
+        finally:
+            del runner
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     short = min(prompt_lengths)
     by = {(r["fast_kernels"], r["mode"], r["tree_size"], r["prompt_tokens"]): r for r in rows}
     for r in rows:
-        base = by[r["fast_kernels"], r["mode"], r["tree_size"], short]
-        r["ratio_to_shortest_prompt"] = r["ms_per_round"] / base["ms_per_round"]
+        base = by.get((r["fast_kernels"], r["mode"], r["tree_size"], short))
+        r["ratio_to_shortest_prompt"] = r["ms_per_round"] / base["ms_per_round"] if base else None
     return {
         "preset": preset, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(torch_dtype).replace("torch.", ""), "cuda_graphs": use_graphs, "compiled": compile_steps,
         "bandwidth_gbps": bw / 1e9, "weights_gb": {k: v / 1e9 for k, v in gb.items()},
         "floor_ms": floor_ms("ar"), "tokens_per_round_assumed": tokens_per_round, "rounds_timed": rounds,
         "startup_s": {"build_pair": build_s, "runner": runner_s, "capture_graphs": capture_s}, "rows": rows,
+        "failed": failed,
     }
 
 
@@ -210,10 +223,12 @@ def format_random_report(rep: dict) -> str:
     lines += [head, "-" * len(head)]
     for r in rep["rows"]:
         syncs = "-" if r["host_syncs_per_round"] is None else str(r["host_syncs_per_round"])
-        lines.append(f"{'kernels' if r['fast_kernels'] else 'torch':<8} {r['prompt_tokens']:>6} {r['mode']:<10} {r['tree_size']:>4} {r['ms_per_round']:>9.3f} "
-                     f"{r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.2f}x {r['ratio_to_ar']:>5.2f}x "
-                     f"{r['implied_speedup']:>8.2f}x {r['ratio_to_shortest_prompt']:>7.2f}x {syncs:>5}")
+        short = "-" if r["ratio_to_shortest_prompt"] is None else f"{r['ratio_to_shortest_prompt']:.2f}x"
+        lines.append(f"{'kernels' if r['fast_kernels'] else 'torch':<8} {r['prompt_tokens']:>6} {r['mode']:<10} "
+                     f"{r['tree_size']:>4} {r['ms_per_round']:>9.3f} {r['floor_ms']:>8.3f} {r['ratio_to_floor']:>7.2f}x "
+                     f"{r['ratio_to_ar']:>5.2f}x {r['implied_speedup']:>8.2f}x {short:>8} {syncs:>5}")
         if "stages_ms" in r:
             lines.append(f"         stages ({r['stages_how']}): " +
                          ", ".join(f"{k} {v:.2f} ms" for k, v in r["stages_ms"].items()))
+    lines += [f"FAILED ({label}): {msg}" for label, msg in rep.get("failed", {}).items()]
     return "\n".join(lines)

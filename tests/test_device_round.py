@@ -273,3 +273,22 @@ def test_attention_kernels_compile_for_hopper(dtype):
         ("merge_splits_kernel", merge, dict(SPLITS=plan["splits"], HEAD_DIM=128), 1)])
     assert set(out) == {"tree_attention_kernel", "merge_splits_kernel"}
     assert all(k["sm90"] and k["shared"] <= 227 * 1024 for k in out.values()), out
+
+
+def test_random_bench_keeps_one_path_when_the_other_fails(monkeypatch):
+    """Comparing both paths, a kernel failing on a new device must not lose the other path's rows."""
+    import treeflash_kernels.build_tree as bt
+    from treeflash_runtime.random_bench import format_random_report, run_random_bench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tree kernel failed")
+
+    monkeypatch.setattr(bt, "build_tree_fast", broken)
+    kw = dict(modes=["treeflash"], tree_sizes=[8], prompt_lengths=[16], rounds=1, warmup=0, top_m=2, top_k=2,
+              tokens_per_round=2.0, device="cpu", dtype="auto", cuda_graphs=True, stages=False)
+    rep = run_random_bench("tiny", fast_kernels=(True, False), **kw)
+    assert rep["failed"] == {"fast kernels": "RuntimeError: tree kernel failed"}
+    assert {(r["fast_kernels"], r["mode"]) for r in rep["rows"]} == {(True, "ar"), (False, "ar"), (False, "treeflash")}
+    assert "FAILED (fast kernels): RuntimeError: tree kernel failed" in format_random_report(rep)
+    with pytest.raises(RuntimeError, match="tree kernel failed"):  # one path alone: the error itself
+        run_random_bench("tiny", fast_kernels=(True,), **kw)
