@@ -60,7 +60,7 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
         model, demo = default_pair(log=log)
         drafter = drafter or demo  # a drafter of one's own for the default verifier is kept
     dev = pick_device(device)
-    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
+    torch_dtype = parse_dtype(dtype, dev)
 
     def check(vcfg, dcfg):
         if dcfg is not None and tree.mode != "ar":

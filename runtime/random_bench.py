@@ -107,7 +107,7 @@ def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, st
     row = {"mode": tree.mode, "tree_size": tree.tree_size, "top_m": tree.top_m, "top_k": tree.top_k,
            "prompt_tokens": int(prompt.shape[0]), "ms_per_round": 1e3 * _time_rounds(runner, rounds),
            "prefill_ms": 1e3 * prefill_s, "host_syncs_per_round": _host_syncs(runner)}
-    if stages:  # the breakdown times the eager stages one by one
+    if stages:
         row["stages_ms"], row["stages_how"] = _stage_times(runner, 5, log)
     return row, max(first_s - prefill_s, 0.0)
 
@@ -125,7 +125,7 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
 
     log = log or (lambda msg: None)
     dev = torch.device(pick_device(device))
-    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32"))
+    torch_dtype = parse_dtype(dtype, dev)
     if rounds < 1 or warmup < 0 or not prompt_lengths or min(prompt_lengths) < 1:
         raise ConfigError("--rounds must be >= 1, --warmup >= 0 and every prompt length >= 1")
     t0 = time.perf_counter()

@@ -24,7 +24,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype by name; "auto" is bfloat16 on a CUDA device and float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     try:
         return DTYPES[name]
     except KeyError:

@@ -227,20 +227,18 @@ def random_pair_cmd(preset, out, device, dtype, seed):
     """
     from pathlib import Path
 
+    from treeflash_runtime.factory import pick_device
+
     from .checkpoints import parse_dtype
     from .presets import write_random_pair
 
     if Path(out).exists():
         click.echo(f"error: {out} already exists; remove it or choose another --out", err=True)
         sys.exit(2)
-    dev = device
-    if dev == "auto":
-        import torch
-
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if dev.startswith("cuda") else "float32"))
     try:
-        write_random_pair(out, preset, device=dev, dtype=torch_dtype, seed=seed, log=lambda m: click.echo(m, err=True))
+        dev = pick_device(device)
+        write_random_pair(out, preset, device=dev, dtype=parse_dtype(dtype, dev), seed=seed,
+                          log=lambda m: click.echo(m, err=True))
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -103,30 +103,20 @@ def write_random_pair(out, name: str, *, device: str | torch.device, dtype: torc
     text prompts. Written atomically (a temporary folder renamed at the end)."""
     from pathlib import Path
 
-    from safetensors.torch import save_file
-
     from .fsutil import atomic_folder
-    from .tiny import build_tokenizer
+    from .tiny import build_tokenizer, save_drafter, save_verifier
 
     log = log or (lambda msg: None)
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists")
-    _, dcfg = preset_configs(name)
     with atomic_folder(out) as tmp:
         log(f"building a random {name} pair on {device} ({str(dtype).replace('torch.', '')})")
         verifier, drafter = random_pair(name, device=device, dtype=dtype, seed=seed)
-        tok = build_tokenizer(512)
-        eos = tok.convert_tokens_to_ids("<|endoftext|>")
-        verifier.generation_config.eos_token_id = eos
-        verifier.generation_config.pad_token_id = eos
         log(f"writing {weight_bytes(verifier) / 1e9:.2f} GB of verifier and {weight_bytes(drafter) / 1e9:.2f} GB "
             f"of drafter weights to {out}")
-        verifier.save_pretrained(tmp / "verifier")
-        tok.save_pretrained(tmp / "verifier")
-        (tmp / "drafter").mkdir()
+        save_verifier(tmp / "verifier", verifier, build_tokenizer(512))
+        dcfg = drafter.cfg.hf_config  # the preset's drafter config, as random_pair built it
         dcfg.dtype = dtype
-        dcfg.save_pretrained(tmp / "drafter")
-        state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-        save_file(state, str(tmp / "drafter" / "model.safetensors"), metadata={"format": "pt"})
+        save_drafter(tmp / "drafter", dcfg, drafter.state_dict())
     return out

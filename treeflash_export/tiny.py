@@ -120,11 +120,29 @@ def random_drafter_state(cfg, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
+def save_verifier(folder: Path, model, tok) -> None:
+    """A verifier checkpoint with its tokenizer; generation stops and pads at the tokenizer's EOS."""
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def save_drafter(folder: Path, cfg, state: dict[str, torch.Tensor]) -> None:
+    """A drafter checkpoint in the released layout: config.json and model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    cfg.save_pretrained(folder)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def write_tiny_pair(out: str | os.PathLike, *, family: str = "qwen3", seed: int = 0, hidden: int = 64,
                     layers: int = 4, draft_layers: int = 2, block_size: int = 8, vocab_size: int = 512,
                     layout: str = "treeflash") -> Path:
     """Writes out/verifier and out/drafter atomically (a temporary folder renamed at the end)."""
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
@@ -136,11 +154,7 @@ def write_tiny_pair(out: str | os.PathLike, *, family: str = "qwen3", seed: int 
         vcfg = verifier_config(family, len(tok), hidden=hidden, layers=layers, eos=eos)
         torch.manual_seed(seed)
         vcfg.initializer_range = 0.08
-        verifier = AutoModelForCausalLM.from_config(vcfg)
-        verifier.generation_config.eos_token_id = eos
-        verifier.generation_config.pad_token_id = eos
-        verifier.save_pretrained(tmp / "verifier")
-        tok.save_pretrained(tmp / "verifier")
+        save_verifier(tmp / "verifier", AutoModelForCausalLM.from_config(vcfg), tok)
 
         dcfg = drafter_config(vcfg, layers=draft_layers, block_size=block_size, head=layout == "treeflash",
                               mask_token_id=tok.convert_tokens_to_ids("<|mask|>"))
@@ -149,7 +163,5 @@ def write_tiny_pair(out: str | os.PathLike, *, family: str = "qwen3", seed: int 
             state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
         elif layout != "treeflash":
             raise ValueError(f"unknown layout {layout!r}: use treeflash or dflash")
-        (tmp / "drafter").mkdir()
-        dcfg.save_pretrained(tmp / "drafter")
-        save_file(state, str(tmp / "drafter" / "model.safetensors"), metadata={"format": "pt"})
+        save_drafter(tmp / "drafter", dcfg, state)
     return out
