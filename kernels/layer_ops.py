@@ -8,8 +8,9 @@ beside each (the runtime's fast path; the GEMMs stay with cuBLAS).
   written, for padding rows).
 - ``silu_mul``: SwiGLU's activation over the merged gate/up projection's output [n, 2I].
 
-A plain-decoding step of a Hugging Face layer runs about 55 kernels (each norm alone is
-seven); with these it runs about 12, of which 5 are GEMMs and 2 attention.
+A Hugging Face layer dispatches about 56 operators besides views (each norm alone is seven);
+with these a layer dispatches 9: 5 GEMMs, the attention op and 3 of these kernels, plus the
+add + norm that closes it.
 
 Rounding follows the modules: each operation of the Hugging Face composition rounds to
 the model's dtype (the norm's output before the weight, silu before the product, both RoPE
@@ -22,14 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from treeflash_export.models.common import apply_rope
+
 from .mlp_expand import _pow2, rms_norm
 
 # ----------------------------------------------------------------------------- reference
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -48,8 +46,8 @@ def qk_norm_rope_reference(qkv, q_weight, k_weight, eps: float, cos, sin, k_cach
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    q = (q * cos + rotate_half(q) * sin).contiguous()
-    k = k * cos + rotate_half(k) * sin
+    q = apply_rope(q, cos, sin).contiguous()
+    k = apply_rope(k, cos, sin)
     keep = slots >= 0
     idx = slots.clamp(min=0)
     # Rows with a negative slot keep the cache's current contents (a gather, then a masked write).

@@ -102,7 +102,8 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
               help="With --random-weights: the project's fast kernels on or off (see treeflash-run "
                    "--fast-kernels), or both side by side in one run.")
 @click.option("--stages/--no-stages", default=True,
-              help="With --random-weights: also time each stage of a round (eagerly, synchronised; not with --compile).")
+              help="With --random-weights: also time each stage of a round (inside the CUDA graph where graphs "
+                   "are on, else eagerly and synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
          concurrency, requests, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, fast_kernels, stages):

@@ -85,7 +85,7 @@ class DrafterBackbone(nn.Module):
     def use_layer_kernels(self, on: bool = True) -> None:
         """forward_cached runs the layers through merged projections and the layer kernels
         (models.fused), or (off) through the modules, as the verifier's do."""
-        self.fused = [FusedLayer(layer, self.cfg.num_heads, self.cfg.head_dim) for layer in self.layers] if on else None
+        self.fused = [FusedLayer(layer, self.cfg.num_heads) for layer in self.layers] if on else None
 
     def new_cache(self, capacity: int, *, device=None, dtype=None) -> torch.Tensor:
         w = self.fc.weight
@@ -190,19 +190,19 @@ class DrafterBackbone(nn.Module):
         dev, C = ctx_features.device, ctx_features.shape[0]
         rows = torch.arange(C, device=dev)
         ctx_slots = ctx_start + rows
+        ctx_write = torch.where(rows < ctx_count, ctx_slots, -1)
         _, ctx = add_rms_norm(self.fc(ctx_features), None, *norm_args(self.hidden_norm))
         if block_embeds is None:  # ingesting context only (the prompt): k/v of the context rows
             cos, sin = self._rope(ctx, ctx_slots)
-            write = torch.where(rows < ctx_count, ctx_slots, -1)
             for i, fl in enumerate(self.fused):
-                fl.qkv(ctx, cos, sin, cache[i, 0], cache[i, 1], write)
+                fl.qkv(ctx, cos, sin, cache[i, 0], cache[i, 1], ctx_write)
             return None
         B = block_embeds.shape[0]
         past_len = ctx_start + ctx_count
         blk_slots = past_len + torch.arange(B, device=dev)
         slots = torch.cat([ctx_slots, blk_slots])
         cos, sin = self._rope(ctx, slots)
-        write = torch.cat([torch.where(rows < ctx_count, ctx_slots, -1), blk_slots])
+        write = torch.cat([ctx_write, blk_slots])
         see_block = torch.ones(B, B, dtype=torch.bool, device=dev)
         norms = [layer.input_layernorm for layer in self.layers]
         x, h = add_rms_norm(block_embeds, None, *norm_args(norms[0]))

@@ -56,16 +56,16 @@ def is_swiglu(mlp: nn.Module) -> bool:
 
 
 class FusedLayer:
-    def __init__(self, layer: nn.Module, num_heads: int, head_dim: int):
+    def __init__(self, layer: nn.Module, num_heads: int):
         attn = self.attn = layer.self_attn
-        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_heads = num_heads
         self.qkv_weight, self.qkv_bias = merge_linears([attn.q_proj, attn.k_proj, attn.v_proj], "_treeflash_qkv", attn)
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = norm_args(q_norm)[0] if q_norm is not None else None
-        self.k_norm = norm_args(k_norm)[0] if k_norm is not None else None
-        self.qk_eps = norm_args(q_norm)[1] if q_norm is not None else 0.0
-        if q_norm is not None and norm_args(k_norm)[1] != self.qk_eps:
-            raise ValueError("q_norm and k_norm with different eps are not supported by the layer kernels")
+        self.q_norm = self.k_norm = None  # Llama / Qwen2: no per-head norm
+        self.qk_eps = 0.0
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+            (self.q_norm, self.qk_eps), (self.k_norm, k_eps) = norm_args(attn.q_norm), norm_args(attn.k_norm)
+            if k_eps != self.qk_eps:
+                raise ValueError("q_norm and k_norm with different eps are not supported by the layer kernels")
         self.mlp_module = layer.mlp
         self.swiglu = is_swiglu(layer.mlp)
         if self.swiglu:

@@ -44,7 +44,7 @@ class TreeVerifier(nn.Module):
         """forward_cached runs the layers through merged projections and the layer kernels
         (models.fused), or (off) through the modules. The modules' weights become views of the
         merged ones (no extra memory)."""
-        self.fused = [FusedLayer(layer, self.num_heads, self.head_dim) for layer in self.layers] if on else None
+        self.fused = [FusedLayer(layer, self.num_heads) for layer in self.layers] if on else None
 
     @property
     def num_layers(self) -> int:
