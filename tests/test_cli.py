@@ -199,6 +199,10 @@ def test_export_random_pair_command_runs_exactly(tmp_path):
     assert res["load_s"] > 0 and res["first_token_s"] == pytest.approx(res["load_s"] + res["prefill_s"])
     r = CliRunner().invoke(export_main, ["random-pair", "--preset", "tiny", "--out", str(out)])
     assert r.exit_code == 2 and "already exists" in r.stderr
+    if not torch.cuda.is_available():  # a device that is not there: one line, nothing written
+        r = CliRunner().invoke(export_main, ["random-pair", "--preset", "tiny", "--out", str(tmp_path / "x"),
+                                             "--device", "cuda"])
+        assert r.exit_code == 2 and "sees no CUDA GPU" in r.stderr and not (tmp_path / "x").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
