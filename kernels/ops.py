@@ -1,6 +1,7 @@
 """The kernels as PyTorch custom ops: ``torch.ops.treeflash.mlp_expand`` (the MLP expansion),
 ``torch.ops.treeflash.tree_attention`` (attention over the KV cache plus a tree) and the layer
-ops ``add_rms_norm``, ``qk_norm_rope`` and ``silu_mul`` (treeflash_kernels.layer_ops).
+ops ``add_rms_norm``, ``qk_norm_rope`` and ``silu_mul`` (treeflash_kernels.layer_ops), and
+``topk_logprobs`` (the expansion's last step, treeflash_kernels.topk_logprobs).
 
 On CUDA (with triton installed) it runs the Triton kernels; elsewhere the plain
 PyTorch reference. Its fake (meta) implementation gives shapes to tracing, so the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import layer_ops as lo
+from . import topk_logprobs as tk
 from . import tree_attention as ta
 from .mlp_expand import check_shapes, mlp_expand_reference, mlp_expand_triton, triton
 
@@ -101,3 +103,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @silu_mul.register_fake
 def _(gate_up):
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+@torch.library.custom_op("treeflash::topk_logprobs", mutates_args=())
+def topk_logprobs(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> top k of log_softmax(logits / T): (values [..., k] float32, ids [..., k] int64)."""
+    return tk.topk_logprobs_fast(logits, k, temperature)
+
+
+@topk_logprobs.register_fake
+def _(logits, k, temperature):
+    shape = (*logits.shape[:-1], k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.long)

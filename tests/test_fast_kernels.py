@@ -285,3 +285,99 @@ def test_fast_kernels_are_on_by_default_only_where_triton_compiles_them():
     assert fast_kernels_default(torch.device("cuda"), False) == (lo.triton is not None)
     assert not fast_kernels_default(torch.device("cpu"), False)  # the references would only add dispatch
     assert not fast_kernels_default(torch.device("cuda"), True)  # compiled: Inductor fuses over the modules
+
+
+# ---------------------------------------------------------------- top-k log-probabilities
+
+
+def stable_top(x: torch.Tensor, k: int, temperature: float):
+    """The kernels' order, spelt out: scaled logits desc, then index asc; values from log_softmax."""
+    scaled = x.float() / temperature
+    order = scaled.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.log_softmax(scaled, dim=-1).gather(-1, order), order
+
+
+@needs_triton
+@pytest.mark.parametrize("lead,V,k,chunk,temperature", [
+    ((3,), 1000, 16, 512, 1.0),  # two chunks, the last one partial
+    ((2, 2), 1000, 16, 512, 0.7),  # 3-D logits, as the expansion's [B-1, M, V]
+    ((2,), 5000, 8, 256, 1.0),  # 20 chunks merged
+    ((2,), 300, 16, 512, 1.3),  # one chunk, mostly past V
+])
+def test_topk_logprobs_kernel_matches_reference(lead, V, k, chunk, temperature):
+    from treeflash_kernels import topk_logprobs as tk
+
+    x = randn(*lead, V, seed=V + k) * 3
+    values, ids = tk.topk_logprobs_triton(x, k, temperature, chunk=chunk)
+    want_values, want_ids = stable_top(x, k, temperature)
+    assert ids.dtype == torch.long and values.dtype == torch.float32 and ids.shape == (*lead, k)
+    assert torch.equal(ids, want_ids)
+    assert (values - want_values).abs().max() < 1e-5  # seen: up to 4.8e-7 (the sum's order)
+    ref_values, ref_ids = tk.topk_logprobs_reference(x, k, temperature)  # what the expansion computes
+    assert torch.equal(ref_ids, ids) and (ref_values - values).abs().max() < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["ties", "dead"])
+def test_topk_logprobs_kernel_orders_ties_and_dead_entries_by_index(kind):
+    """Equal logits (common in bf16) come lower id first; -inf entries (a masked vocabulary) rank
+    last and never bring an id past the vocabulary, even with fewer than k finite entries."""
+    from treeflash_kernels import topk_logprobs as tk
+
+    g = torch.Generator().manual_seed(3)
+    if kind == "ties":
+        x = torch.randint(0, 4, (3, 1000), generator=g).float()
+    else:
+        x = torch.full((3, 1000), float("-inf"))
+        x[0, torch.randperm(1000, generator=g)[:200]] = torch.randn(200, generator=g)
+        x[1, [5, 700, 999]] = torch.tensor([1.0, 2.0, 1.0])  # three finite entries for k = 16
+        x[2, :] = 0.0
+        x[2, 513:] = float("-inf")
+    x = x.to(DEVICE)
+    values, ids = tk.topk_logprobs_triton(x, 16, 1.0, chunk=512)
+    want_values, want_ids = stable_top(x, 16, 1.0)
+    assert torch.equal(ids, want_ids) and int(ids.max()) < 1000
+    assert torch.equal(values.isinf(), want_values.isinf())
+    finite = want_values.isfinite()
+    assert (values[finite] - want_values[finite]).abs().max() < 1e-5
+
+
+def test_topk_logprobs_fast_falls_back_and_the_op_traces():
+    from treeflash_kernels import topk_logprobs as tk
+    from treeflash_kernels.ops import topk_logprobs
+
+    x = randn(2, 3, 50, seed=4, device="cpu")
+    got, want = tk.topk_logprobs_fast(x, 4, 0.5), tk.topk_logprobs_reference(x, 4, 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # on CPU: the reference itself
+    assert not tk.kernel_fits(50, 65) and not tk.kernel_fits(10, 16) and tk.kernel_fits(151_936, 16)
+    torch.library.opcheck(topk_logprobs, (x, 4, 0.5))
+    with pytest.raises(ValueError, match="exceeds its limits"):
+        tk.topk_logprobs_triton(x, 65, 1.0)
+
+
+@needs_triton
+def test_topk_logprobs_kernels_compile_for_hopper():
+    """At the TreeFlash expansion of Qwen3 drafters: 151,936 logits a row in chunks of 4,096, k = 16."""
+    from conftest import compile_for_hopper
+
+    sig = dict(x_ptr="*bf16", V="i32", temperature="fp32", cand_v="*fp32", cand_i="*i64", stats="*fp32",
+               n_chunks="i32")
+    out = compile_for_hopper("treeflash_kernels.topk_logprobs", [
+        ("_chunk_kernel", sig, dict(K=16, KP=16, NG=128, G=32, SCALE=True), 4),
+        ("_merge_kernel", dict(cand_v="*fp32", cand_i="*i64", stats="*fp32", n_chunks="i32", out_v="*fp32",
+                               out_i="*i64"), dict(K=16, NC=64, NCAND=1024), 4)])
+    assert set(out) == {"_chunk_kernel", "_merge_kernel"} and all(k["sm90"] for k in out.values()), out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_topk_logprobs_bf16_cuda_at_qwen3_shapes():
+    """bf16 logits [15, 16, 151936] (the expansion at block 16, M = 16): the kernels' ids are the
+    stable order of the logits, their values the reference's up to the sum's order."""
+    from treeflash_kernels import topk_logprobs as tk
+
+    x = (randn(15, 16, 151_936, seed=9) * 4).to(torch.bfloat16)
+    values, ids = tk.topk_logprobs_triton(x, 16, 1.0)
+    want_values, want_ids = stable_top(x, 16, 1.0)
+    assert torch.equal(ids, want_ids)
+    assert (values - want_values).abs().max() < 1e-4

@@ -77,8 +77,9 @@ class TorchRunner(Runner):
         the round and the plain step (Inductor fuses the elementwise work between the GEMMs), with its
         cache under the project's cache folder. fast_kernels: kernels that save launches, each with
         a PyTorch reference: the decoder layers through merged projections and the layer kernels
-        (models.fused, treeflash_kernels.layer_ops) rather than the Hugging Face modules, and the
-        tree built in one kernel (treeflash_kernels.build_tree, exactly the reference's tree);
+        (models.fused, treeflash_kernels.layer_ops) rather than the Hugging Face modules, the
+        expansion's top-k log-probabilities in one read of the logits (treeflash_kernels.topk_logprobs)
+        and the tree built in one kernel (treeflash_kernels.build_tree, exactly the reference's tree);
         None = where they run as Triton kernels (CUDA; on CPU the references only add dispatch
         cost) and the steps are not compiled. log: progress lines."""
         self.drafter = drafter
@@ -255,8 +256,9 @@ class TorchRunner(Runner):
                 z, logits, root, head=self.drafter.ar_approximation, norm=norm,
                 embed_tokens=self.verifier.embed_tokens, lm_head=self.verifier.lm_head,
                 top_m=tree.top_m, top_k=tree.top_k, temperature=tree.drafter_temperature, fused=self.fused,
+                topk_kernel=self.fast_kernels,
             )
-        return marginal_tables(logits, tree.top_k, tree.drafter_temperature)
+        return marginal_tables(logits, tree.top_k, tree.drafter_temperature, topk_kernel=self.fast_kernels)
 
     def commit(self, tree: Tree, y: torch.Tensor, feats: torch.Tensor) -> None:
         """Accept the deepest matching path (tau nodes) and commit it, in fixed shapes: its K/V move to

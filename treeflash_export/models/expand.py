@@ -17,11 +17,27 @@ from ..tree import Tables, link_next_rows
 from .head import ARApproximationHead
 
 
-def marginal_tables(logits: torch.Tensor, top_k: int, temperature: float) -> Tables:
-    """logits [B, V] of block positions 0..B-1 -> tables with one row per depth (positions 1..B-1)."""
-    lp = F.log_softmax(logits[1:].float() / temperature, dim=-1)
-    top = lp.topk(top_k, dim=-1)
-    tokens, logprobs = top.indices[:, None, :], top.values[:, None, :]
+def top_logprobs(logits: torch.Tensor, k: int, temperature: float,
+                 kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> the top k of log_softmax(logits / T) as (values float32, ids), best first.
+    kernel: through ``torch.ops.treeflash.topk_logprobs`` (two Triton kernels on CUDA that read the
+    logits once; ties lower id first), the runtime's fast path; else these standard ops."""
+    if kernel:
+        from treeflash_kernels.ops import topk_logprobs
+
+        return topk_logprobs(logits, k, temperature)
+    x = logits.float()
+    if temperature != 1.0:  # x / 1.0 is x: the pass is skipped, the result is the same
+        x = x / temperature
+    top = F.log_softmax(x, dim=-1).topk(k, dim=-1)
+    return top.values, top.indices
+
+
+def marginal_tables(logits: torch.Tensor, top_k: int, temperature: float, topk_kernel: bool = False) -> Tables:
+    """logits [B, V] of block positions 0..B-1 -> tables with one row per depth (positions 1..B-1).
+    topk_kernel: see top_logprobs."""
+    values, indices = top_logprobs(logits[1:], top_k, temperature, topk_kernel)
+    tokens, logprobs = indices[:, None, :], values[:, None, :]
     next_row = torch.zeros_like(tokens)
     next_row[-1] = -1
     return Tables(tokens, logprobs, next_row)
@@ -40,9 +56,11 @@ def treeflash_tables(
     top_k: int,
     temperature: float,
     fused: bool = False,
+    topk_kernel: bool = False,
 ) -> Tables:
     """fused: the head and final norm through ``torch.ops.treeflash.mlp_expand`` (Triton kernels on
-    CUDA, one custom node in ONNX) instead of the module composition; same math."""
+    CUDA, one custom node in ONNX) instead of the module composition; same math. topk_kernel: the
+    conditional logits' top K through the top-k kernels (see top_logprobs)."""
     B, H = z.shape
     candidates = logits[:-1].topk(top_m, dim=-1).indices  # [B-1, M], parents for positions 1..B-1
     # Position 0 is the known root: it stands in for all M candidates.
@@ -57,6 +75,5 @@ def treeflash_tables(
         delta = head(embed_tokens(parent_ids), h)
         states = norm(z[1:, None, :] + delta)
     cond_logits = lm_head(states)  # [B-1, M, V]
-    lp = F.log_softmax(cond_logits.float() / temperature, dim=-1)
-    top = lp.topk(top_k, dim=-1)
-    return Tables(top.indices, top.values, link_next_rows(top.indices, candidates))
+    values, indices = top_logprobs(cond_logits, top_k, temperature, topk_kernel)
+    return Tables(indices, values, link_next_rows(indices, candidates))
