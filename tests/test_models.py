@@ -192,3 +192,24 @@ def test_untrained_head_reproduces_marginal_drafter(load):
         mg = marginal_tables(logits, 3, 1.0)
     assert torch.equal(tf.tokens, mg.tokens.expand(-1, 2, -1))
     assert torch.allclose(tf.logprobs, mg.logprobs.expand(-1, 2, -1), atol=1e-5)
+
+
+def test_drafter_rope_stays_float32_when_the_weights_are_cast(load):
+    """``.to(bfloat16)`` casts the drafter's weights but not RoPE's inverse frequencies (the verifier
+    from from_pretrained keeps them float32 too): bfloat16 ones would put the angles at position
+    8,000 off by radians. The cast drafter's cos/sin are the float32 drafter's, rounded once."""
+    import copy
+
+    pair = load("qwen3")
+    fp32 = pair.drafter.model
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    assert bf16.fc.weight.dtype == torch.bfloat16
+    assert {b.dtype for b in bf16.rotary_emb.buffers()} == {torch.float32}
+    assert torch.equal(bf16.rotary_emb.inv_freq, pair.verifier.model.rotary_emb.inv_freq)
+    positions = torch.arange(7990, 8010)
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    cos, sin = bf16._rope(x, positions)
+    want_cos, want_sin = fp32._rope(x.float(), positions)
+    assert torch.equal(cos, want_cos.to(torch.bfloat16)) and torch.equal(sin, want_sin.to(torch.bfloat16))
+    back = copy.deepcopy(bf16).float()  # and back: still the same frequencies
+    assert torch.equal(back.rotary_emb.inv_freq, fp32.rotary_emb.inv_freq)

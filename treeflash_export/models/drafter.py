@@ -82,6 +82,17 @@ class DrafterBackbone(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.hf_config)
         self.fused: list[FusedLayer] | None = None  # set by use_layer_kernels (the runtime's fast path)
 
+    def _apply(self, fn, recurse=True):
+        """Under ``.to(dtype)``, ``.half()`` and the like, RoPE's inverse frequencies stay float32,
+        as in the verifier (from_pretrained never casts them): rounded to bfloat16 they put the
+        drafter's angles off by up to 0.6 rad at position 512, and by more than pi for a third of
+        the frequencies at 8,192. Device moves still apply to them."""
+        kept = {name: buf.float() for name, buf in self.rotary_emb.named_buffers(recurse=False)}
+        super()._apply(fn, recurse)
+        for name, buf in kept.items():
+            setattr(self.rotary_emb, name, buf.to(getattr(self.rotary_emb, name).device))
+        return self
+
     def use_layer_kernels(self, on: bool = True) -> None:
         """forward_cached runs the layers through merged projections and the layer kernels
         (models.fused), or (off) through the modules, as the verifier's do."""
