@@ -146,7 +146,8 @@ def load_drafter(folder: Path, *, dtype: torch.dtype, device: str | torch.device
     if layout == "dflash" and cfg.has_head:
         raise CheckpointError("drafter config asks for an AR-approximation head but the weights are in the "
                               "DFlash layout, which has none")
-    model = TreeFlashDrafter(cfg)
+    with torch.device("meta"):  # no random initialisation: every parameter comes from the checkpoint
+        model = TreeFlashDrafter(cfg)
     expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
@@ -157,8 +158,10 @@ def load_drafter(folder: Path, *, dtype: torch.dtype, device: str | torch.device
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
         raise CheckpointError(f"drafter weights in {folder} do not match its config: " + "; ".join(parts))
-    model.load_state_dict(state, strict=True)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False), cfg, layout
+    # Each tensor goes to the device in the run's dtype once, and becomes the parameter itself.
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
+    model.model.reset_rope()
+    return model.eval().requires_grad_(False), cfg, layout
 
 
 def validate_pair(verifier_cfg: Any, drafter: DrafterConfig) -> None:

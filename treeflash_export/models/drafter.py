@@ -87,11 +87,17 @@ class DrafterBackbone(nn.Module):
         as in the verifier (from_pretrained never casts them): rounded to bfloat16 they put the
         drafter's angles off by up to 0.6 rad at position 512, and by more than pi for a third of
         the frequencies at 8,192. Device moves still apply to them."""
-        kept = {name: buf.float() for name, buf in self.rotary_emb.named_buffers(recurse=False)}
+        kept = {name: buf.float() for name, buf in self.rotary_emb.named_buffers(recurse=False) if not buf.is_meta}
         super()._apply(fn, recurse)
         for name, buf in kept.items():
             setattr(self.rotary_emb, name, buf.to(getattr(self.rotary_emb, name).device))
         return self
+
+    def reset_rope(self) -> None:
+        """Computes RoPE's inverse frequencies (float32, on the weights' device) afresh: they are
+        buffers no checkpoint holds, so a drafter built on the meta device and then given its
+        weights (checkpoints.load_drafter) needs them made here."""
+        self.rotary_emb = Qwen3RotaryEmbedding(self.cfg.hf_config).to(self.fc.weight.device)
 
     def use_layer_kernels(self, on: bool = True) -> None:
         """forward_cached runs the layers through merged projections and the layer kernels
