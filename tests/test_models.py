@@ -94,6 +94,33 @@ def test_treeflash_checkpoint_has_exactly_the_released_keys(pair_dirs, load):
     assert set(pair.drafter.state_dict()) == set(state)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafter_loads_the_checkpoint_tensors_without_initialising(pair_dirs, monkeypatch, dtype):
+    """load_drafter builds the module on the meta device: the parameters are the checkpoint's
+    tensors in the run's dtype (no random initialisation runs at all), and RoPE's frequencies,
+    which no checkpoint holds, are made afresh in float32."""
+    from treeflash_export.checkpoints import load_drafter
+    from treeflash_export.models import TreeFlashDrafter
+
+    folder = pair_dirs["qwen3"] / "drafter"
+    def no_init(tensor, *args, **kwargs):  # on the meta device an initialisation costs nothing
+        assert tensor.is_meta, "a random initialisation ran on real memory"
+        return tensor
+
+    for name in ("kaiming_uniform_", "uniform_", "normal_"):
+        monkeypatch.setattr(torch.nn.init, name, no_init)
+    model, cfg, layout = load_drafter(folder, dtype=dtype, device="cpu")
+    monkeypatch.undo()
+    state = read_drafter_state(folder)
+    got = model.state_dict()
+    assert layout == "treeflash" and set(got) == set(state)
+    assert all(torch.equal(got[k], v.to(dtype)) for k, v in state.items())
+    assert not any(p.requires_grad or p.is_meta for p in model.parameters())
+    fresh = TreeFlashDrafter(cfg).model.rotary_emb
+    for name, buf in model.model.rotary_emb.named_buffers():
+        assert buf.dtype == torch.float32 and torch.equal(buf, getattr(fresh, name))
+
+
 def test_dflash_layout_maps_onto_the_backbone(pair_dirs, load):
     raw = read_drafter_state(pair_dirs["qwen3-dflash"] / "drafter")
     assert all(k.startswith(("layers.", "fc.", "hidden_norm.", "norm.")) for k in raw)
