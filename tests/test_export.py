@@ -73,6 +73,24 @@ def test_onnxruntime_greedy_equals_verifier(load, artifacts, name, mode):
     assert res.token_ids == ref
 
 
+def test_onnxruntime_keeps_its_caches_and_never_reads_a_stale_slot(load, artifacts):
+    """A second generation reuses the first one's caches (same memory, no new zeroing); filled with
+    garbage in between, they still give the verifier's own greedy output: no slot is read before
+    the generation writes it."""
+    art, pair = artifacts("qwen3", "treeflash"), load("qwen3")
+    runner = OnnxRuntimeRunner(art)
+    first = pair.tokenizer(PROMPTS[0])["input_ids"]
+    generate(runner, first, art.tree, SamplingConfig(max_new_tokens=NEW))
+    kv, draft_kv = runner.kv, runner.draft_kv
+    g = torch.Generator().manual_seed(0)
+    for cache in (kv, draft_kv):
+        cache.copy_(torch.randn(cache.shape, generator=g) * 50)
+    ids = pair.tokenizer(PROMPTS[1])["input_ids"]
+    res = generate(runner, ids, art.tree, SamplingConfig(max_new_tokens=NEW))
+    assert runner.kv is kv and runner.draft_kv is draft_kv
+    assert res.token_ids == hf_greedy(pair.verifier, ids, NEW)
+
+
 class OracleOrtRunner(OnnxRuntimeRunner):
     """Runs the real draft and expand graphs, then swaps in a tree that hides the true
     continuation (as in test_exactness), so the ONNX verify graph and the runtime's KV

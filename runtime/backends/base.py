@@ -66,7 +66,8 @@ class StagedRunner(Runner):
 
     @abstractmethod
     def reset(self) -> None:
-        """Forget all cached state (a new generation starts)."""
+        """A new generation starts: no cached state may carry over (caches may be kept for reuse
+        where no stale slot is ever read)."""
 
     @abstractmethod
     def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,9 +43,13 @@ class GraphRunner(StagedRunner):
         return TORCH_DTYPES[next(s.dtype for s in self.specs[graph].inputs if s.name == name)]
 
     def reset(self) -> None:
+        """The caches are made by the first generation and kept by the next ones: their stale slots
+        are never read (the graphs mask every slot at or past the committed length, where a round's
+        rejected nodes leave stale K/V too, and the runner writes a slot before it is read)."""
+        if self.kv is not None:
+            return
         shapes = {"verifier cache": next(s.shape for s in self.specs["verify"].inputs if s.name == "kv_cache"),
                   "drafter cache": next(s.shape for s in self.specs["draft"].inputs if s.name == "draft_kv")}
-        self.kv = self.draft_kv = None  # let the previous generation's caches go first
         caches = allocate_caches(shapes, self._input_dtype("verify", "kv_cache"), self.device, self.capacity)
         self.kv, self.draft_kv = caches["verifier cache"], caches["drafter cache"]
 
