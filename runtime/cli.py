@@ -81,7 +81,8 @@ class _Streamer:
               help="torch backend: the project's launch-saving kernels (Triton on CUDA; their PyTorch references "
                    "elsewhere): the decoder layers through merged q/k/v and gate/up projections and fused norm, "
                    "RoPE and SwiGLU kernels, the expansion's top-k log-probabilities in one read of the logits, and "
-                   "the tree built in one kernel; off runs the Hugging Face modules and PyTorch operations. auto = on on CUDA without --compile, else off.")
+                   "the tree built in one kernel; off runs the Hugging Face modules and PyTorch operations. "
+                   "auto = on on CUDA without --compile, else off.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object (text and statistics) "
               "on stdout instead of streaming.")
 @click.option("--server", default=None, metavar="HOST:PORT",
