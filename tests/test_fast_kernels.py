@@ -303,6 +303,7 @@ def stable_top(x: torch.Tensor, k: int, temperature: float):
     ((2, 2), 1000, 16, 512, 0.7),  # 3-D logits, as the expansion's [B-1, M, V]
     ((2,), 5000, 8, 256, 1.0),  # 20 chunks merged
     ((2,), 300, 16, 512, 1.3),  # one chunk, mostly past V
+    ((3,), 700, 1, 1024, 1.0),  # chain mode's k = 1
 ])
 def test_topk_logprobs_kernel_matches_reference(lead, V, k, chunk, temperature):
     from treeflash_kernels import topk_logprobs as tk
