@@ -43,7 +43,7 @@ MAX_CANDIDATES = 8192  # the chunks' candidates of one row, in one program of th
 
 
 def kernel_fits(vocab: int, k: int, chunk: int = CHUNK) -> bool:
-    return (1 <= k <= min(MAX_K, vocab) and chunk % GROUP == 0 and k <= chunk // GROUP
+    return (1 <= k <= min(MAX_K, vocab) and chunk == _pow2(chunk) >= GROUP and k <= chunk // GROUP
             and _pow2(-(-vocab // chunk) * k) <= MAX_CANDIDATES)
 
 

@@ -351,6 +351,7 @@ def test_topk_logprobs_fast_falls_back_and_the_op_traces():
     got, want = tk.topk_logprobs_fast(x, 4, 0.5), tk.topk_logprobs_reference(x, 4, 0.5)
     assert all(torch.equal(a, b) for a, b in zip(got, want))  # on CPU: the reference itself
     assert not tk.kernel_fits(50, 65) and not tk.kernel_fits(10, 16) and tk.kernel_fits(151_936, 16)
+    assert not tk.kernel_fits(1000, 4, chunk=768) and not tk.kernel_fits(1000, 4, chunk=16)  # 2^n >= a group
     torch.library.opcheck(topk_logprobs, (x, 4, 0.5))
     with pytest.raises(ValueError, match="exceeds its limits"):
         tk.topk_logprobs_triton(x, 65, 1.0)
