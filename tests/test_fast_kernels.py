@@ -383,3 +383,23 @@ def test_topk_logprobs_bf16_cuda_at_qwen3_shapes():
     want_values, want_ids = stable_top(x, 16, 1.0)
     assert torch.equal(ids, want_ids)
     assert (values - want_values).abs().max() < 1e-4
+
+
+def test_fast_kernels_compile_into_the_project_cache_unless_told_otherwise(load, monkeypatch, tmp_path):
+    """With the fast kernels on, Triton's cache goes under TREEFLASH_CACHE (a warm start reuses it);
+    a TRITON_CACHE_DIR the user set is kept; with them off nothing is set."""
+    import os
+
+    from treeflash_runtime.backends.torch_backend import TorchRunner
+
+    pair = load("qwen3")
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path / "tf"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    TorchRunner(pair.verifier, pair.drafter, capacity=32, fast_kernels=False)
+    assert "TRITON_CACHE_DIR" not in os.environ
+    TorchRunner(pair.verifier, pair.drafter, capacity=32, fast_kernels=True)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "tf" / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    TorchRunner(pair.verifier, pair.drafter, capacity=32, fast_kernels=True)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    TorchRunner(pair.verifier, pair.drafter, capacity=32, fast_kernels=False)  # the shared drafter back as it was

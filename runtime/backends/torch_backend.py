@@ -64,6 +64,16 @@ def fast_kernels_default(device: torch.device, compiled: bool) -> bool:
     return layer_ops.triton is not None
 
 
+def _project_cache(variable: str, name: str) -> None:
+    """Compiled code goes under the project's cache folder (TREEFLASH_CACHE), unless the user's
+    environment names another place: a second start reuses it, and one folder holds all of it."""
+    import os
+
+    from treeflash_export.smollm import cache_root
+
+    os.environ.setdefault(variable, str(cache_root() / name))
+
+
 class TorchRunner(Runner):
     name = "torch"
 
@@ -91,6 +101,8 @@ class TorchRunner(Runner):
         if fast_kernels is None:
             fast_kernels = fast_kernels_default(self.device, compile)
         self.fast_kernels = bool(fast_kernels)
+        if self.fast_kernels:
+            _project_cache("TRITON_CACHE_DIR", "triton")  # the kernels compile on first use
         self.verifier.use_layer_kernels(self.fast_kernels)
         if self.fast_kernels:
             from treeflash_kernels.build_tree import build_tree_fast
@@ -285,11 +297,7 @@ class TorchRunner(Runner):
         """Wraps the three step functions from outside (the model code stays eager and readable).
         Shapes are static per tree setting, so each setting compiles once; Inductor's cache lives
         under the project's cache folder (TREEFLASH_CACHE), so a second start reuses it."""
-        import os
-
-        from treeflash_export.smollm import cache_root
-
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        _project_cache("TORCHINDUCTOR_CACHE_DIR", "inductor")
         for name in ("_prefill", "_round", "_ar_step"):
             setattr(self, name, torch.compile(getattr(self, name), dynamic=False))
 
