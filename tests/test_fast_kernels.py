@@ -403,3 +403,23 @@ def test_fast_kernels_compile_into_the_project_cache_unless_told_otherwise(load,
     TorchRunner(pair.verifier, pair.drafter, capacity=32, fast_kernels=True)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
     TorchRunner(pair.verifier, pair.drafter, capacity=32, fast_kernels=False)  # the shared drafter back as it was
+
+
+def test_a_shared_drafter_follows_the_runner_that_generates(load):
+    """Two runners over one drafter module: each generation runs the drafter with its own runner's
+    setting, whichever runner was built last."""
+    from treeflash_export.config import SamplingConfig, TreeConfig
+    from treeflash_runtime import generate
+    from treeflash_runtime.backends.torch_backend import TorchRunner
+
+    pair = load("qwen3")
+    fast = TorchRunner(pair.verifier, pair.drafter, capacity=64, fast_kernels=True)
+    plain = TorchRunner(pair.verifier, pair.drafter, capacity=64, fast_kernels=False)
+    assert pair.drafter.model.fused is None  # the last runner built set it
+    ids = pair.tokenizer("def f(x):")["input_ids"]
+    tree = TreeConfig(tree_size=8, top_m=2, top_k=2)
+    out_fast = generate(fast, ids, tree, SamplingConfig(max_new_tokens=6))
+    assert pair.drafter.model.fused is not None
+    out_plain = generate(plain, ids, tree, SamplingConfig(max_new_tokens=6))
+    assert pair.drafter.model.fused is None
+    assert out_fast.token_ids == out_plain.token_ids

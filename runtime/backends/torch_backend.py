@@ -110,8 +110,7 @@ class TorchRunner(Runner):
             self.build_tree = build_tree_fast
         else:
             self.build_tree = build_tree
-        if drafter is not None:  # the drafter module is the caller's: its setting follows this runner's
-            drafter.model.use_layer_kernels(self.fast_kernels)
+        self._own_drafter_setting()
         self.vocab_size = self.verifier.vocab_size
         self.block_size = drafter.cfg.block_size if drafter is not None else 1
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else -1
@@ -161,8 +160,17 @@ class TorchRunner(Runner):
 
     # ------------------------------------------------------------------ the loop's contract
 
+    def _own_drafter_setting(self) -> None:
+        """The drafter module is the caller's and may serve several runners: it takes this runner's
+        fast-kernel setting at construction and again at each generation (eager rounds and new
+        captures read it then; captured graphs keep what they were captured with)."""
+        model = self.drafter.model if self.drafter is not None else None
+        if model is not None and (model.fused is not None) != self.fast_kernels:
+            model.use_layer_kernels(self.fast_kernels)
+
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig) -> int:
+        self._own_drafter_setting()
         self.tree, self.sampling = tree, sampling
         self.path_len = 1 if tree.mode == "ar" else min(tree.tree_size, self.block_size)
         if self.use_graphs:
