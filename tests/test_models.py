@@ -223,8 +223,8 @@ def test_untrained_head_reproduces_marginal_drafter(load):
 
 def test_drafter_rope_stays_float32_when_the_weights_are_cast(load):
     """``.to(bfloat16)`` casts the drafter's weights but not RoPE's inverse frequencies (the verifier
-    from from_pretrained keeps them float32 too): bfloat16 ones would put the angles at position
-    8,000 off by radians. The cast drafter's cos/sin are the float32 drafter's, rounded once."""
+    from from_pretrained keeps them float32 too): bfloat16 ones would turn the angles between
+    distant tokens by radians. The cast drafter's cos/sin are the float32 drafter's, rounded once."""
     import copy
 
     pair = load("qwen3")
