@@ -20,6 +20,8 @@ import torch
 
 from treeflash_export.tree import Tables, Tree, build_tree
 
+from .mlp_expand import _pow2
+
 try:
     import triton
     import triton.language as tl
@@ -30,10 +32,6 @@ except ImportError:  # the reference still works; the kernel needs `pip install 
 # entries overall, each rounded up to a power of two); larger trees use the reference.
 MAX_SORT = 4096
 MAX_NODES = 128
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(x - 1, 0).bit_length()
 
 
 def kernel_fits(depths: int, top_k: int, tree_size: int) -> bool:

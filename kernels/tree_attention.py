@@ -28,6 +28,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .mlp_expand import _pow2
+
 
 def _check(q, k_cache, v_cache, tree_mask):
     Hq, n, D = q.shape
@@ -145,10 +147,6 @@ if triton is not None:
         node = r % n
         dst = out_ptr + (node.to(tl.int64) * (tl.num_programs(0) // n) + head) * HEAD_DIM + dims
         tl.store(dst, (num / den).to(out_ptr.dtype.element_ty))
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(x - 1, 0).bit_length()
 
 
 def launch_plan(n: int, heads: int, kv_heads: int, capacity: int, head_dim: int, *, splits: int = 0,

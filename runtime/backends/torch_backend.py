@@ -101,10 +101,9 @@ class TorchRunner(Runner):
         if fast_kernels is None:
             fast_kernels = fast_kernels_default(self.device, compile)
         self.fast_kernels = bool(fast_kernels)
-        if self.fast_kernels:
-            _project_cache("TRITON_CACHE_DIR", "triton")  # the kernels compile on first use
         self.verifier.use_layer_kernels(self.fast_kernels)
         if self.fast_kernels:
+            _project_cache("TRITON_CACHE_DIR", "triton")  # the kernels compile on first use
             from treeflash_kernels.build_tree import build_tree_fast
 
             self.build_tree = build_tree_fast
