@@ -53,7 +53,7 @@ def compile_kernel(name: str, dtype: str, *, hidden: int, arch: int = 90, head_e
         raise RuntimeError("compiling the kernels needs triton: pip install triton")
     request = dict(name=name, dtype=dtype, hidden=hidden, arch=arch, head_eps=head_eps, norm_eps=norm_eps,
                    tiles=asdict(tiles))
-    if not mk.triton.knobs.runtime.interpret:
+    if not mk.interpreting():
         return _compile(**request)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "treeflash_kernels.aot", json.dumps(request)], env=env,
@@ -63,11 +63,21 @@ def compile_kernel(name: str, dtype: str, *, hidden: int, arch: int = 90, head_e
     return CompiledKernel(**json.loads(proc.stdout))
 
 
+def ast_source(fn, signature: dict, constexprs: dict):
+    """Triton's compile input for one kernel; Triton 3.2 names the constexpr values ``constants``,
+    3.3 and later ``constexprs``."""
+    import inspect
+
+    from triton.compiler import ASTSource
+
+    key = "constexprs" if "constexprs" in inspect.signature(ASTSource).parameters else "constants"
+    return ASTSource(fn=fn, signature=signature, **{key: constexprs})
+
+
 def _compile(name, dtype, hidden, arch, head_eps, norm_eps, tiles) -> CompiledKernel:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     tiles = GemmTiles(**tiles)
     attr, args = KERNELS[name]
@@ -76,8 +86,8 @@ def _compile(name, dtype, hidden, arch, head_eps, norm_eps, tiles) -> CompiledKe
     consts, options = mk.launch_meta(name, getattr(torch, dtype), hidden, tiles=tiles, head_eps=head_eps,
                                      norm_eps=norm_eps)
     signature = {a: types[k] for a, k in args} | {c: "constexpr" for c in consts}
-    src = ASTSource(fn=getattr(mk, attr), signature=signature, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    k = triton.compile(ast_source(getattr(mk, attr), signature, consts), target=GPUTarget("cuda", arch, 32),
+                       options=options)
     return CompiledKernel(k.metadata.name, k.asm["ptx"], k.metadata.num_warps, k.metadata.shared, arch)
 
 

@@ -106,7 +106,7 @@ def main(H, I, B, M, V, dtype, device, impls, tiles, repeat, warmup, as_json):
     if any(x != "eager" for x in wanted):
         if mk.triton is None:
             raise click.UsageError("the Triton implementations need triton: pip install triton")
-        if dev.type == "cpu" and not mk.triton.knobs.runtime.interpret:
+        if dev.type == "cpu" and not mk.interpreting():
             raise click.UsageError("Triton kernels on a CPU run only in Triton's interpreter: set TRITON_INTERPRET=1 "
                                    "(and use tiny shapes, e.g. --hidden 64 --intermediate 96), or use a GPU")
         if dev.type == "cpu" and H * I > 1 << 16:
@@ -152,7 +152,7 @@ def main(H, I, B, M, V, dtype, device, impls, tiles, repeat, warmup, as_json):
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "shape": {"B": B, "M": M, "rows": R, "H": H, "I": I, "V": V, "dtype": dtype},
         "bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "floor_ms": floor_s * 1e3,
-        "triton_interpreter": bool(mk.triton is not None and mk.triton.knobs.runtime.interpret),
+        "triton_interpreter": bool(mk.triton is not None and mk.interpreting()),
         "results": rows,
     }
     if as_json:

@@ -27,6 +27,7 @@ All accumulation is float32.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,15 @@ try:
     import triton.language as tl
 except ImportError:  # the PyTorch reference still works; the kernels need `pip install triton`
     triton = None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs launches in its interpreter (TRITON_INTERPRET=1). Triton 3.4 and later
+    read the setting through ``triton.knobs``; earlier releases read the variable itself."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if triton is not None:
 

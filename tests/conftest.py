@@ -76,13 +76,13 @@ def compile_for_hopper(module: str, kernels: list[tuple[str, dict, dict, int]]) 
     script = f"""
 import json, triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from treeflash_kernels.aot import ast_source
 import {module} as m
 out = {{}}
 for name, sig, consts, warps in {kernels!r}:
     sig = dict(sig, **{{c: "constexpr" for c in consts}})
-    k = triton.compile(ASTSource(fn=getattr(m, name), signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    k = triton.compile(ast_source(getattr(m, name), sig, consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
     out[k.metadata.name] = dict(sm90=".target sm_90" in k.asm["ptx"], shared=k.metadata.shared)
 print(json.dumps(out))
 """

@@ -143,7 +143,9 @@ def export_onnx(module, spec: GraphSpec, inputs, path: Path, opset: int, custom_
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            module, inputs, dynamo=True, opset_version=opset, verbose=False,
+            # optimize: constant folding, so TensorRT's parser sees e.g. ReduceMean axes as constants
+            # (torch 2.13's default; torch 2.6, which pyproject.toml allows, leaves it off)
+            module, inputs, dynamo=True, optimize=True, opset_version=opset, verbose=False,
             input_names=[s.name for s in spec.inputs], output_names=[s.name for s in spec.outputs],
             dynamic_shapes=dynamic if dims else None,
             custom_translation_table=translation_table() if custom_ops else None,

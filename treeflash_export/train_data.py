@@ -145,7 +145,8 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
         seq, feat = torch.cat(seq, dim=1).to(torch.int32).cpu(), torch.cat(feat, dim=1).cpu()
         pad = pad + width - longest  # to the common width: the prompt ends at column `width` in every row
         seq = F.pad(seq, (width - longest, 0), value=pad_id)
-        feat = F.pad(feat, (0, 0, width - longest, 0))
+        # zeros in front by concatenation: F.pad before torch 2.7 rejects the empty feature axis (no taps)
+        feat = torch.cat([feat.new_zeros(feat.shape[0], width - longest, feat.shape[2]), feat], dim=1)
         feat.masked_fill_((torch.arange(seq.shape[1]) < pad[:, None])[..., None], 0.0)
         tokens.append(seq)
         feats.append(feat)
