@@ -106,8 +106,9 @@ gpu-startup: gpu-install
 	    --drafter $(PAIR_DIR)/drafter --prompt "$(PROMPT)" --max-new-tokens 8 --ignore-eos --json \
 	    > $(GPU_OUT)/startup-$$run.json || exit 1; \
 	  $(PYTHON) -c "import json, sys, time; r = json.load(open(sys.argv[2])); print(sys.argv[1], \
-	    'process %.1f s (to exit), load %.1f s, first token %.1f s after loading began' % (time.time() - \
-	    float(sys.argv[3]), r['load_s'], r['first_token_s']))" $$run $(GPU_OUT)/startup-$$run.json $$start; \
+	    'process %.1f s (to exit), load %.1f s (%s), first token %.1f s after loading began' % (time.time() - \
+	    float(sys.argv[3]), r['load_s'], ', '.join('%s %.1f' % kv for kv in r['load_stages_s'].items()), \
+	    r['first_token_s']))" $$run $(GPU_OUT)/startup-$$run.json $$start; \
 	done
 
 gpu-bench-compile: gpu-install

@@ -149,7 +149,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         sess = session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend,
                                       device=device, dtype=dtype, verify_checksums=verify_checksums,
                                       cuda_graphs=cuda_graphs, compile_steps=compile_steps,
-                                      fast_kernels=_ON_OFF[fast_kernels])
+                                      fast_kernels=_ON_OFF[fast_kernels], log=lambda m: click.echo(m, err=True))
     load_s = time.perf_counter() - t_load  # checkpoints read, caches allocated
     tree, runner, tok = sess.tree, sess.runner, sess.tokenizer
     if chat:
@@ -177,7 +177,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
             "prefill_s": s.prefill_s, "prompt_tokens": s.prompt_tokens, "stop_reason": result.stop_reason,
             # start-up: loading, then the first begin (graph capture and kernel compilation on a first
             # run of a setting, then the prefill) up to the first token
-            "load_s": load_s, "first_token_s": load_s + s.prefill_s,
+            "load_s": load_s, "load_stages_s": sess.load_stages_s, "first_token_s": load_s + s.prefill_s,
             "tree_size": resolved.tree_size, "top_m": resolved.top_m, "top_k": resolved.top_k,
             "temperature": temperature, "top_p": top_p, "seed": seed, "device": str(runner.device), "dtype": sess.dtype,
             "artifacts": artifacts,

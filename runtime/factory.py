@@ -3,7 +3,8 @@ checkpoints or from an artifact folder; shared by treeflash-run and treeflash-be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from treeflash_export.config import TreeConfig
@@ -21,6 +22,7 @@ class Session:
     tree: TreeConfig
     stop_token_ids: tuple[int, ...]
     dtype: str
+    load_stages_s: dict[str, float] = field(default_factory=dict)  # seconds per loading step, where known
 
 
 def pick_device(device: str) -> str:
@@ -66,17 +68,20 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
         if dcfg is not None and tree.mode != "ar":
             tree.validate(block_size=dcfg.block_size, vocab_size=dcfg.vocab_size, has_head=dcfg.has_head)
 
-    pair = load_pair(model, drafter if tree.mode != "ar" else None, dtype=torch_dtype, device=dev, check=check)
+    pair = load_pair(model, drafter if tree.mode != "ar" else None, dtype=torch_dtype, device=dev, check=check,
+                     log=log)
+    t0 = time.perf_counter()
     runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity, cuda_graphs=cuda_graphs,
                                        compile=compile_steps, fast_kernels=fast_kernels, log=log)
+    stages = {**pair.seconds, "runner": time.perf_counter() - t0}  # runner: caches allocated
     return Session(runner, pair.tokenizer, tree, tuple(eos_token_ids(pair.tokenizer, pair.verifier)),
-                   str(torch_dtype).replace("torch.", ""))
+                   str(torch_dtype).replace("torch.", ""), stages)
 
 
 def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | None = None,
                            backend: str = "onnxruntime", device: str = "auto", dtype: str = "auto",
                            verify_checksums: bool = True, cuda_graphs: bool = True,
-                           compile_steps: bool = False, fast_kernels: bool | None = None) -> Session:
+                           compile_steps: bool = False, fast_kernels: bool | None = None, log=None) -> Session:
     """requested: tree settings given by the user (None = take the artifact's); mode 'ar' is
     plain decoding over the artifact's verify graph."""
     from treeflash_export.artifact import check_tree_request, load_artifact
@@ -84,7 +89,9 @@ def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | N
 
     from .backends import get_runner_class
 
+    t0 = time.perf_counter()
     art = load_artifact(folder, verify_checksums=verify_checksums)
+    stages = {"artifact": time.perf_counter() - t0}  # manifest read, checksums verified
     wants_ar = requested.get("mode") == "ar"
     check_tree_request(art, {k: v for k, v in requested.items() if not (wants_ar and k == "mode")})
     tree = TreeConfig(mode="ar") if wants_ar else art.tree
@@ -97,9 +104,13 @@ def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | N
     if backend == "torch":  # the eager model over the source checkpoints, with the artifact's settings
         src = art.manifest["sources"]
         sess = session_from_checkpoints(src["verifier"], src["drafter"], tree, art.shapes.capacity, "torch",
-                                        device, art.dtype, cuda_graphs=cuda_graphs, compile_steps=compile_steps,
-                                        fast_kernels=fast_kernels)
-        return Session(sess.runner, tok, tree, art.stop_token_ids, art.dtype)
+                                        device, art.dtype, log=log, cuda_graphs=cuda_graphs,
+                                        compile_steps=compile_steps, fast_kernels=fast_kernels)
+        return Session(sess.runner, tok, tree, art.stop_token_ids, art.dtype, {**stages, **sess.load_stages_s})
     cls = get_runner_class(backend)
+    t0 = time.perf_counter()
     runner = cls(art) if backend == "onnxruntime" else cls(art, device="cuda" if device == "auto" else device)
-    return Session(runner, tok, tree, art.stop_token_ids, art.dtype)
+    stages["runner"] = time.perf_counter() - t0  # graphs or engines loaded
+    if log is not None:
+        log(f"loaded the {backend} runner in {stages['runner']:.1f}s")
+    return Session(runner, tok, tree, art.stop_token_ids, art.dtype, stages)

@@ -76,11 +76,13 @@ def _edited_drafter(tmp_path, src: Path, **changes) -> Path:
 
 
 def assert_one_line_error(r, *words):
+    """One error line, last, and before it only the loading progress lines (no traceback)."""
     assert r.exit_code != 0
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert lines and lines[-1].startswith("error: "), r.stderr
+    assert all(line.startswith("loaded ") for line in lines[:-1]), r.stderr
     for w in words:
-        assert w in lines[0], lines[0]
+        assert w in lines[-1], lines[-1]
 
 
 def test_wrong_paths(pair_dirs, tmp_path):
@@ -197,6 +199,12 @@ def test_export_random_pair_command_runs_exactly(tmp_path):
     pair = load_pair(str(out / "verifier"), str(out / "drafter"), dtype=torch.float32)
     assert res["token_ids"] == hf_greedy(pair.verifier, pair.tokenizer("def f(x):")["input_ids"], 12)
     assert res["load_s"] > 0 and res["first_token_s"] == pytest.approx(res["load_s"] + res["prefill_s"])
+    stages = res["load_stages_s"]  # where loading went, each step within the whole
+    assert set(stages) == {"tokenizer", "verifier", "drafter", "runner"} and min(stages.values()) >= 0
+    assert sum(stages.values()) <= res["load_s"]
+    loaded = [line for line in r.stderr.splitlines() if line.startswith("loaded ")]
+    assert len(loaded) == 2 and "verifier:" in loaded[0] and "drafter (treeflash layout):" in loaded[1], r.stderr
+    assert all("float32 on cpu" in line for line in loaded), r.stderr
     r = CliRunner().invoke(export_main, ["random-pair", "--preset", "tiny", "--out", str(out)])
     assert r.exit_code == 2 and "already exists" in r.stderr
     if not torch.cuda.is_available():  # a device that is not there: one line, nothing written

@@ -140,6 +140,9 @@ def test_run_cli_on_artifact_all_backends(load, artifacts):
         outs[backend] = json.loads(r.stdout)
         assert outs[backend]["token_ids"] == ref and outs[backend]["backend"] == backend
     assert outs["onnxruntime"]["tree_size"] == TREE["tree_size"]
+    # the start-up steps: the artifact's checksums, then its graphs, or the source checkpoints
+    assert set(outs["onnxruntime"]["load_stages_s"]) == {"artifact", "runner"}
+    assert set(outs["torch"]["load_stages_s"]) == {"artifact", "tokenizer", "verifier", "drafter", "runner"}
 
 
 def _copy(art, tmp_path):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ import torch
 
 from .config import DrafterConfig
 from .errors import CheckpointError
+from .presets import weight_bytes
 
 SUPPORTED_VERIFIERS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -207,15 +209,19 @@ class LoadedPair:
     verifier_path: Path
     drafter_path: Path | None
     drafter_layout: str | None
+    seconds: dict[str, float] = field(default_factory=dict)  # what loading took: tokenizer, verifier, drafter
 
 
 def load_pair(model: str, drafter: str | None, *, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu", need_tokenizer: bool = True,
-              check: Callable[[Any, DrafterConfig | None], None] | None = None) -> LoadedPair:
+              check: Callable[[Any, DrafterConfig | None], None] | None = None,
+              log: Callable[[str], None] | None = None) -> LoadedPair:
     """Resolve, validate configs first (no weights touched), then load both models.
 
     ``check(verifier_config, drafter_config)`` runs after the pair checks and before any
     weights are read, so settings errors surface in seconds even for large models.
+    ``log`` gets a line per model loaded (its size and the seconds it took); the seconds are
+    also in the result's ``seconds``.
     """
     vpath = resolve_checkpoint(model, "verifier")
     dpath = resolve_checkpoint(drafter, "drafter") if drafter else None
@@ -236,9 +242,27 @@ def load_pair(model: str, drafter: str | None, *, dtype: torch.dtype = torch.flo
         validate_pair(vcfg, dcfg)
     if check is not None:
         check(vcfg, dcfg)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
     tok = load_tokenizer(vpath) if need_tokenizer else None
+    seconds["tokenizer"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     verifier = load_verifier(vpath, dtype=dtype, device=device)
+    seconds["verifier"] = time.perf_counter() - t0
+    _log_loaded(log, "verifier", verifier, seconds["verifier"])
     dmodel, layout = None, None
     if dpath is not None:
+        t0 = time.perf_counter()
         dmodel, dcfg, layout = load_drafter(dpath, dtype=dtype, device=device)
-    return LoadedPair(verifier, dmodel, dcfg, tok, vpath, dpath, layout)
+        seconds["drafter"] = time.perf_counter() - t0
+        _log_loaded(log, f"drafter ({layout} layout)", dmodel, seconds["drafter"])
+    return LoadedPair(verifier, dmodel, dcfg, tok, vpath, dpath, layout, seconds)
+
+
+def _log_loaded(log: Callable[[str], None] | None, what: str, model: torch.nn.Module, seconds: float) -> None:
+    if log is None:
+        return
+    size = weight_bytes(model)
+    amount = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    first = next(model.parameters())
+    log(f"loaded {what}: {amount}, {str(first.dtype).replace('torch.', '')} on {first.device}, in {seconds:.1f}s")
