@@ -72,6 +72,66 @@ def test_checkpoint_round_trips(trained):
         assert torch.equal(saved[k], v.to(torch.float16)), k
 
 
+def test_data_caches_follow_the_verifier_content_not_its_path(trained, pair_dirs, tmp_path, monkeypatch):
+    """The trained fixture's data, reused by a run on a copy of the verifier in another folder, and
+    generated afresh once that copy's weights change."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from treeflash_export.checkpoints import checkpoint_fingerprint
+
+    _, root = trained
+    source = pair_dirs["qwen3"] / "verifier"
+    moved = tmp_path / "elsewhere" / "verifier"
+    shutil.copytree(source, moved)
+    assert checkpoint_fingerprint(moved) == checkpoint_fingerprint(source)
+    generated = []
+    real_generate = train_data.generate_data
+    monkeypatch.setattr(train_data, "generate_data",
+                        lambda verifier, prompts, *a, **k: generated.append(len(prompts)) or
+                        real_generate(verifier, prompts, *a, **k))
+    short = dataclasses.replace(CFG, steps=10)
+
+    def run(name):
+        work = tmp_path / name
+        shutil.copytree(root / "work", work, ignore=shutil.ignore_patterns("last.pt"))
+        train(str(moved), tmp_path / f"out-{name}", short, work=work, log=lambda m: None)
+
+    run("moved")
+    assert generated == []  # both splits found under the moved verifier's name
+    weights = load_file(str(moved / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    assert checkpoint_fingerprint(moved) != checkpoint_fingerprint(source)
+    run("retrained")
+    assert generated == [CFG.train_prompts, CFG.heldout_prompts]
+
+
+def test_fingerprint_samples_large_files_at_both_ends(tmp_path):
+    from treeflash_export.checkpoints import checkpoint_fingerprint
+
+    data = bytearray(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes())
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(data)
+    base = checkpoint_fingerprint(tmp_path)
+    (tmp_path / ".cache").mkdir()  # a download tool's hidden folder and files are not content
+    (tmp_path / ".lock").write_text("x")
+    assert checkpoint_fingerprint(tmp_path) == base
+    seen = {base}
+    inside = (len(data) - (1 << 16)) * 5 // 15 + 100  # in the 6th of the 16 chunks of 64 KiB sampled
+    for where in (0, len(data) - 1, inside):
+        changed = bytearray(data)
+        changed[where] ^= 1
+        (tmp_path / "model.safetensors").write_bytes(changed)
+        seen.add(checkpoint_fingerprint(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(data)
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    seen.add(checkpoint_fingerprint(tmp_path))
+    assert len(seen) == 5
+
+
 def test_resume_continues_exactly(pair_dirs, tmp_path, monkeypatch):
     """Interrupted after the checkpoint at step 20, then resumed: the same weights as one straight run."""
     short = dataclasses.replace(CFG, steps=30)

@@ -201,6 +201,7 @@ def test_train_from_files_through_the_cli(pair_dirs, tok, tmp_path):
     files' content."""
     from click.testing import CliRunner
 
+    from treeflash_export.checkpoints import checkpoint_fingerprint
     from treeflash_export.cli import main
     from treeflash_export.train_files import content_hash
 
@@ -232,7 +233,8 @@ def test_train_from_files_through_the_cli(pair_dirs, tok, tmp_path):
 
     cfg = TrainConfig(num_taps=2, prompt_tokens=40, continuation_tokens=8)
     for split, recs in (("train", train_records), ("heldout", held_records)):
-        path = tmp_path / "d.work" / f"{split}-{cfg.data_key(str(vdir), split, content_hash([data]))}-{len(recs)}.pt"
+        key = cfg.data_key(checkpoint_fingerprint(vdir), split, content_hash([data]))
+        path = tmp_path / "d.work" / f"{split}-{key}-{len(recs)}.pt"
         cached = torch.load(path)
         assert cached["tokens"].shape == (len(recs), 40 + 8)
         for row, rec, pad in zip(cached["tokens"], recs, cached["pad"].tolist()):

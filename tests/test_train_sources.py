@@ -257,7 +257,10 @@ def test_a_mix_of_code_and_chat_through_the_cli(chatty, short_words, tmp_path):
 
     from treeflash_export.cli import main
 
+    from treeflash_export.checkpoints import checkpoint_fingerprint
+
     vdir, v, tok = chatty
+    vkey = checkpoint_fingerprint(vdir)  # what the caches are named by
     opts = ["--steps", "2", "--batch-size", "2", "--block-size", "4", "--intermediate-size", "96", "--num-taps", "2",
             "--prompt-tokens", "40", "--continuation-tokens", "6", "--gen-batch", "8", "--eval-every", "2",
             "--save-every", "2", "--anchors", "2", "--train-prompts", "6", "--heldout-prompts", "3",
@@ -270,10 +273,10 @@ def test_a_mix_of_code_and_chat_through_the_cli(chatty, short_words, tmp_path):
     chat = train_chat.chat_fields("chat-stdlib", dataclasses.replace(cfg, instruction_tokens=12,
                                                                      instruction_temperature=1.0))
     for split, n_code, n_chat in (("train", 4, 2), ("heldout", 2, 1)):
-        code = torch.load(work / f"{split}-{cfg.data_key(str(vdir), split)}-{n_code}.pt")
-        rows = torch.load(work / f"chat-stdlib-{split}-{cfg.data_key(str(vdir), split, chat=chat)}-{n_chat}.pt")
+        code = torch.load(work / f"{split}-{cfg.data_key(vkey, split)}-{n_code}.pt")
+        rows = torch.load(work / f"chat-stdlib-{split}-{cfg.data_key(vkey, split, chat=chat)}-{n_chat}.pt")
         assert "pad" not in code and code["tokens"].shape == (n_code, 46)
-        want = chat_prompts(v, tok, str(vdir), "chat-stdlib", split, n_chat, cfg, work, lambda m: None).ids
+        want = chat_prompts(v, tok, vkey, "chat-stdlib", split, n_chat, cfg, work, lambda m: None).ids
         for row, pad, ids in zip(rows["tokens"], rows["pad"].tolist(), want):
             assert row[pad:40].tolist() == ids and pad == 40 - len(ids) > 0
     info = json.loads((tmp_path / "d" / "training.json").read_text())

@@ -8,6 +8,7 @@ Drafter layouts:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -87,6 +88,26 @@ def load_verifier(folder: Path, *, dtype: torch.dtype, device: str | torch.devic
     except Exception as exc:
         raise CheckpointError(f"cannot load verifier from {folder}: {type(exc).__name__}: {exc}") from None
     return model.to(device).eval().requires_grad_(False)
+
+
+def checkpoint_fingerprint(folder: Path, samples: int = 16, chunk: int = 1 << 16) -> str:
+    """Names a checkpoint folder by its content rather than its path, cheaply: every file at its top
+    level (config, tokenizer, weights) by name, size and ``samples`` evenly spaced chunks of
+    ``chunk`` bytes, the first and last among them (a small file is read whole). A folder moved or
+    copied keeps its name; new weights or a new tokenizer at the same path change it (a retrained
+    model's weights differ everywhere). What is cached from a model (training data) is keyed by it."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and not p.name.startswith(".")):
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            if size <= samples * chunk:
+                h.update(f.read())
+                continue
+            for i in range(samples):
+                f.seek((size - chunk) * i // (samples - 1))
+                h.update(f.read(chunk))
+    return h.hexdigest()[:16]
 
 
 def load_tokenizer(folder: Path):

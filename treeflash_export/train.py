@@ -386,7 +386,7 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
            init_from=None) -> Path:
     from tqdm import tqdm
 
-    from .checkpoints import load_tokenizer, load_verifier, resolve_checkpoint
+    from .checkpoints import checkpoint_fingerprint, load_tokenizer, load_verifier, resolve_checkpoint
 
     ckpt_path = work / "last.pt"
     vpath = resolve_checkpoint(verifier_path, "verifier")
@@ -399,8 +399,10 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
     drafter = init_drafter(hf_cfg, cfg.seed, verifier)
     init_record = load_init(init_from, drafter, hf_cfg) if init_from else None  # fails before data generation
 
-    data = prepare_data(verifier, tok, str(vpath), cfg, tap_ids, work, log, data_files=data_files, source=source,
-                        world=world)
+    # The data caches follow the verifier's content, not its path: a moved folder keeps them, new
+    # weights at the same path do not reuse them.
+    data = prepare_data(verifier, tok, checkpoint_fingerprint(vpath), cfg, tap_ids, work, log,
+                        data_files=data_files, source=source, world=world)
     from .train_chat import stop_ids
     from .train_data import turn_ends
 

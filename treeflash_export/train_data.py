@@ -221,7 +221,8 @@ def prepare_data(verifier, tok, verifier_key: str, cfg: TrainConfig, tap_ids: li
                  log: Callable[[str], None] = print, *, data_files: list[Path] = (), source: str = "",
                  world: World = World()) -> dict:
     """The training and held-out data, generated once and cached in `work`, one file per source
-    and split named by every setting that changes it and by its prompt count.
+    and split named by every setting that changes it and by its prompt count. ``verifier_key``
+    names the verifier (its content: checkpoints.checkpoint_fingerprint).
 
     The mix (cfg.mix, train_sources.py) shares --train-prompts and --heldout-prompts among the
     sources; each source's rows come from its own cache and the splits are their concatenation.
