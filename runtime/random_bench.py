@@ -9,10 +9,16 @@ round: speed-up = tokens per round x plain step / round. Random weights accept a
 nothing, so tokens per round cannot be measured here; the real pair's figure comes from
 treeflash-bench over checkpoints.
 
-Floors (as in DESIGN section 6): a plain step reads the verifier's weights; a round reads
-the verifier, the drafter backbone, the LM head once more on the drafter side and, in
-TreeFlash mode, the head. Embedding tables are counted whole, so the floors are a little
-generous to the step and the round alike.
+Floors (as in DESIGN section 6, the figures the issue's targets are written against): a plain
+step reads the verifier's weights; a round reads the verifier, the drafter backbone, the LM
+head once more on the drafter side and, in TreeFlash mode, the head. Two approximations:
+embedding tables are counted whole, though a pass reads only its tokens' rows; and a TreeFlash
+round reads the LM head twice on the drafter side (the marginal logits, then the expansion's
+conditional logits, which need the marginal top-M first), counted once. With an untied
+embedding of the LM head's size (Qwen3-8B) the two cancel in a TreeFlash round's floor, and a
+plain step's floor is high by the embedding table (1.24 GB, about 0.42 ms at 3 TB/s), so its
+ratio to the floor reads low. With tied embeddings (Qwen3-4B, counted once) a plain step's
+floor is right and a TreeFlash round's is low by one LM head (0.78 GB), so its ratio reads high.
 """
 
 from __future__ import annotations
