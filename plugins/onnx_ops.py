@@ -77,7 +77,10 @@ def _const_ints(name: str, values: list[int]) -> onnx.NodeProto:
 def _rms_norm(x: str, w: str, eps_attr: str, p: str) -> list[onnx.NodeProto]:
     """Qwen3's RMSNorm in standard ops: float32 statistics, cast back, then scale."""
     eps = helper.make_node("Constant", [], [f"{p}_eps"])
-    eps.attribute.append(helper.make_attribute_ref("value_float", onnx.AttributeProto.FLOAT, ref_attr_name=eps_attr))
+    # the value is the calling node's attribute `eps_attr` (built by hand: onnx before 1.22 has no
+    # ref_attr_name argument in helper.make_attribute_ref)
+    eps.attribute.append(onnx.AttributeProto(name="value_float", type=onnx.AttributeProto.FLOAT,
+                                             ref_attr_name=eps_attr))
     return [
         helper.make_node("Cast", [x], [f"{p}_f"], to=TensorProto.FLOAT),
         helper.make_node("Mul", [f"{p}_f", f"{p}_f"], [f"{p}_sq"]),
