@@ -47,8 +47,9 @@ def default_verifier(log=None) -> Path:
     try:
         import accelerate  # noqa: F401  (transformers needs it to read GGUF)
         import gguf  # noqa: F401
-    except ImportError:
-        raise CheckpointError(f"converting the default verifier needs gguf and accelerate: {INSTALL_HINT}") from None
+    except ImportError as exc:
+        raise CheckpointError(f"converting the default verifier needs gguf and accelerate ({exc}): {INSTALL_HINT}") \
+            from None
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
