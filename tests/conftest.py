@@ -59,9 +59,11 @@ def load(pair_dirs):
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """The verifier's own greedy continuation through transformers' generate, n tokens, never stopping
     at EOS (an empty EOS list; None would fall back to the model's EOS, and min_new_tokens would
-    suppress EOS logits and change the argmax)."""
+    suppress EOS logits and change the argmax). The attention mask is given: inferred, it would hide
+    every prompt token equal to the pad id."""
     cfg = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
-    out = model.generate(torch.tensor([ids]), generation_config=cfg)
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)
     return out[0, len(ids):].tolist()
 
 

@@ -245,3 +245,46 @@ def test_a_drafter_without_model_pairs_with_the_default_verifier(pair_dirs, monk
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(run_main, ["--prompt", "def f(x):", "--max-new-tokens", "4"])
     assert r.exit_code != 0 and "no-demo" in r.output  # without --drafter the demo drafter is the one loaded
+
+
+def test_the_default_verifier_is_converted_again_under_another_transformers(monkeypatch, tmp_path):
+    """The cached SmolLM2 copy is reused only when the transformers release that converted it is the
+    running one: an older copy (or one with no record, from before the record existed) is made again
+    in place, and a half-failed conversion leaves the old copy untouched."""
+    from treeflash_export import smollm
+
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(smollm, "gguf_path", lambda: tmp_path / "x.gguf")
+    calls = []
+
+    def convert(src, out):
+        calls.append(src)
+        (out / "model.safetensors").write_text(f"conversion {len(calls)}")
+
+    monkeypatch.setattr(smollm, "convert_gguf", convert)
+    out = smollm.default_verifier()
+    assert len(calls) == 1 and (out / "model.safetensors").read_text() == "conversion 1"
+    assert json.loads((out / smollm.CONVERTED_BY).read_text()) == smollm._converter()
+    assert smollm.default_verifier() == out and len(calls) == 1  # same release: reused
+
+    record = json.loads((out / smollm.CONVERTED_BY).read_text())
+    (out / smollm.CONVERTED_BY).write_text(json.dumps(dict(record, transformers="5.0.0")))
+    lines = []
+    assert smollm.default_verifier(log=lines.append) == out and len(calls) == 2
+    assert "converted by transformers 5.0.0" in lines[0]
+    assert (out / "model.safetensors").read_text() == "conversion 2"
+
+    (out / smollm.CONVERTED_BY).unlink()  # a copy made before the record existed
+
+    def failing(src, out):
+        (out / "model.safetensors").write_text("half")
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(smollm, "convert_gguf", failing)
+    with pytest.raises(RuntimeError):
+        smollm.default_verifier()
+    assert (out / "model.safetensors").read_text() == "conversion 2"
+    monkeypatch.setattr(smollm, "convert_gguf", convert)
+    smollm.default_verifier()
+    assert len(calls) == 3 and smollm.default_verifier() == out and len(calls) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]  # no partial folders
