@@ -13,6 +13,7 @@ rank 0 joins the shares into the cache, which does not depend on the number of p
 from __future__ import annotations
 
 import hashlib
+import inspect
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -79,6 +80,12 @@ def prompt_seed(seed: int, split: str, index: int) -> int:
 
 
 @torch.inference_mode()
+def cache_argument(model) -> str:
+    """The name under which the model's forward takes its KV cache: ``cache`` from transformers 5.24,
+    ``past_key_values`` before (5.24 still accepts the old name with a warning; 5.40 drops it)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_tokens: int, batch: int,
                   progress: Callable | None = None, *, width: int | None = None, pad_id: int = 0,
                   temperature: float = 0.0, seeds: list[int] | None = None) -> dict[str, torch.Tensor]:
@@ -108,6 +115,7 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
     total, done = len(prompts) * new_tokens, 0
     dev = verifier.device
     keep_taps = bool(tap_ids)
+    cache_arg = cache_argument(verifier)
 
     def taps(out, positions: int):
         if not keep_taps:  # instructions (train_chat.py): the tokens alone, no hidden states kept
@@ -125,7 +133,7 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
         pos = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
         # A preallocated cache: a growing one is copied whole at every step.
         cache = StaticCache(config=verifier.config, max_cache_len=longest + new_tokens)
-        out = verifier(ids, past_key_values=cache, use_cache=True, output_hidden_states=keep_taps,
+        out = verifier(ids, **{cache_arg: cache}, use_cache=True, output_hidden_states=keep_taps,
                        logits_to_keep=1, cache_position=torch.arange(longest, device=dev), attention_mask=mask,
                        position_ids=pos)
         seq, feat = [ids], [taps(out, longest)]
@@ -135,7 +143,7 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
                 pos = pos[:, -1:] + 1
-            out = verifier(nxt, past_key_values=cache, use_cache=True, output_hidden_states=keep_taps,
+            out = verifier(nxt, **{cache_arg: cache}, use_cache=True, output_hidden_states=keep_taps,
                            cache_position=torch.tensor([cache_pos], device=dev), attention_mask=mask,
                            position_ids=pos)
             feat.append(taps(out, 1))
