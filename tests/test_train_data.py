@@ -136,6 +136,25 @@ def test_padded_batch_generation_equals_each_prompt_alone(load):
         assert (batched["tokens"][i, :pad] == 7).all() and (batched["features"][i, :pad] == 0).all()
 
 
+def test_generation_keeps_no_autograd_graph(load):
+    """Data generation runs in inference mode by itself: called with grad enabled on a verifier
+    whose weights require grad, it records no graph (the caches and taps of every step would be
+    kept alive for a backward pass that never comes)."""
+    pair = load("qwen3")
+    taps = pair.drafter_cfg.target_layer_ids
+    weights = list(pair.verifier.parameters())
+    flags = [w.requires_grad for w in weights]
+    try:
+        pair.verifier.requires_grad_(True)
+        with torch.enable_grad():
+            data = generate_data(pair.verifier, [[5, 9, 3, 77]], taps, new_tokens=4, batch=1)
+    finally:
+        for w, f in zip(weights, flags):
+            w.requires_grad_(f)
+    assert not data["features"].requires_grad and data["features"].grad_fn is None
+    assert all(torch.is_inference(v) for v in data.values())
+
+
 @torch.no_grad()
 def test_sampled_generation_is_seeded_per_prompt_not_per_batch(load):
     pair = load("qwen3")

@@ -79,13 +79,13 @@ def prompt_seed(seed: int, split: str, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{split}/{index}".encode()).digest()[:8], "little")
 
 
-@torch.inference_mode()
 def cache_argument(model) -> str:
     """The name under which the model's forward takes its KV cache: ``cache`` from transformers 5.24,
     ``past_key_values`` before (5.24 still accepts the old name with a warning; 5.40 drops it)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+@torch.inference_mode()
 def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_tokens: int, batch: int,
                   progress: Callable | None = None, *, width: int | None = None, pad_id: int = 0,
                   temperature: float = 0.0, seeds: list[int] | None = None) -> dict[str, torch.Tensor]:
