@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo tiny-demo test test-oldest gpu-install gpu-test gpu-bench gpu-bench-compile gpu-startup clean
+.PHONY: setup demo tiny-demo test test-oldest gpu-install gpu-test gpu-test-rest gpu-bench gpu-bench-compile gpu-startup clean
 
 setup: $(VENV)/.installed
 
@@ -66,33 +66,42 @@ test-oldest:
 
 # On a GPU machine whose Python already has a CUDA torch (no network needed): install the project
 # into that Python, then run the tests or the real-shape benchmark. Each target fits in one
-# 10-minute call of a lent machine: gpu-test (the GPU-specific tests first, stopping at the first
-# failure, then the rest), gpu-bench (fast kernels on and off, every mode, prompts 512 and 8,192),
+# 10-minute call of a lent machine: gpu-test (the GPU-specific tests, stopping at the first
+# failure), gpu-test-rest (the rest of the suite, on every core), gpu-bench (fast kernels on and
+# off, every mode, prompts 512 and 8,192),
 # gpu-startup (seconds before the first token, cold and warm), gpu-bench-compile (torch.compile
 # over the modules: plain decoding and TreeFlash N = 64 only).
 GPU_OUT ?= artifacts/gpu
 PRESET ?= qwen3-8b
-GPU_TESTS := tests/test_cuda.py tests/test_fast_kernels.py tests/test_device_round.py tests/test_kernels.py
+GPU_TESTS := tests/runtime/test_cuda.py tests/kernels/test_fast_kernels.py tests/runtime/test_device_round.py tests/kernels/test_kernels.py
 GPU_TABLE := $(PYTHON) -c "import json, sys; [print(f.split('/')[-1], 'kernels' if r['fast_kernels'] else \
   'torch', r['prompt_tokens'], r['mode'], r['tree_size'], '%.3f ms' % r['ms_per_round'], 'x floor %.2f' % \
   r['ratio_to_floor'], 'x ar %.2f' % r['ratio_to_ar'], ' '.join('%s %.2f' % kv for kv in \
   r.get('stages_ms', {}).items())) for f in sys.argv[1:] \
-  for r in json.load(open(f))['rows']]"
+  for r in json.load(open(f))['rows']]; [print('FAILED', k, v.splitlines()[0]) for f in sys.argv[1:] \
+  for k, v in json.load(open(f)).get('failed', {}).items()]"
 
 gpu-install:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 
+# A failing GPU run exits non-zero (pipefail keeps pytest's status through tee) and shows its first error.
+gpu-test gpu-test-rest gpu-bench gpu-bench-compile: SHELL := /bin/bash
+gpu-test gpu-test-rest gpu-bench gpu-bench-compile: .SHELLFLAGS := -o pipefail -c
+
 gpu-test: gpu-install
 	mkdir -p $(GPU_OUT)
 	$(PYTHON) -m pytest -q -x -rs -m "not tritonserver" $(GPU_TESTS) 2>&1 | tee $(GPU_OUT)/gpu-tests.txt
-	$(PYTHON) -m pytest -q -rs -m "not tritonserver" tests $(addprefix --deselect ,$(GPU_TESTS)) 2>&1 \
-	  | tee $(GPU_OUT)/other-tests.txt
+
+# The rest of the suite on the GPU machine, on all its cores (the CPU suite pins 2 threads).
+gpu-test-rest: gpu-install
+	mkdir -p $(GPU_OUT)
+	TREEFLASH_TEST_THREADS=$$(nproc) $(PYTHON) -m pytest -q -rs -m "not tritonserver" tests \
+	  $(addprefix --deselect ,$(GPU_TESTS)) 2>&1 | tee $(GPU_OUT)/other-tests.txt
 
 gpu-bench: gpu-install
 	mkdir -p $(GPU_OUT)
-	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --fast-kernels both --json \
-	  > $(GPU_OUT)/bench.json
-	$(GPU_TABLE) $(GPU_OUT)/bench.json
+	$(PYTHON) -m treeflash_runtime.bench.cli --random-weights $(PRESET) --fast-kernels both --json \
+	  > $(GPU_OUT)/bench.json; status=$$?; $(GPU_TABLE) $(GPU_OUT)/bench.json; exit $$status
 
 # Start-up before the first token, in a fresh process: a random pair written as checkpoints outside
 # GPU_OUT (16.4 GB for qwen3-8b), then treeflash-run twice, with an empty Triton cache (cold) and
@@ -115,9 +124,9 @@ gpu-startup: gpu-install
 
 gpu-bench-compile: gpu-install
 	mkdir -p $(GPU_OUT)
-	$(PYTHON) -m treeflash_runtime.bench --random-weights $(PRESET) --compile --fast-kernels off --no-stages \
-	  --modes treeflash --tree-sizes 64 --prompt-lengths 512 --json > $(GPU_OUT)/bench-compile.json
-	$(GPU_TABLE) $(GPU_OUT)/bench-compile.json
+	$(PYTHON) -m treeflash_runtime.bench.cli --random-weights $(PRESET) --compile --fast-kernels off --no-stages \
+	  --modes treeflash --tree-sizes 64 --prompt-lengths 512 --json > $(GPU_OUT)/bench-compile.json; status=$$?; \
+	  $(GPU_TABLE) $(GPU_OUT)/bench-compile.json; exit $$status
 
 clean:
 	rm -rf $(VENV) $(TINY)

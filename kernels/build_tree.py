@@ -1,6 +1,7 @@
 """The tree build (transition tables -> a fixed-shape draft tree) as one Triton kernel.
 
-The reference is ``treeflash_export.tree.build_tree``: a depth-synchronous beam of width
+The reference is the tree algebra's ``build_tree`` (treeflash_export.tree, which the tests
+compare this kernel with; this package imports nothing from there): a depth-synchronous beam of width
 W = N - 1 over the tables, then the best W nodes over all depths, under the total order
 (score desc, then the entry's index in the flattened candidate list asc). In PyTorch it is
 about 20 small operations per depth plus the ancestor mask, some 530 operators (nearly all
@@ -17,8 +18,6 @@ lower indices first, as the reference's stable pairwise ranking does. -0.0 is fo
 from __future__ import annotations
 
 import torch
-
-from treeflash_export.tree import Tables, Tree, build_tree
 
 from .mlp_expand import _pow2
 
@@ -151,8 +150,10 @@ if triton is not None:
         tl.store(out_mask + a[:, None] * N + a[None, :], mask.to(tl.int1), mask=row_ok[:, None] & row_ok[None, :])
 
 
-def build_tree_triton(tables: Tables, root: torch.Tensor, tree_size: int) -> Tree:
-    """One launch; the same tree as treeflash_export.tree.build_tree, exactly."""
+def build_tree_triton(tables, root: torch.Tensor, tree_size: int) -> tuple[torch.Tensor, ...]:
+    """One launch; the same tree as treeflash_export.tree.build_tree, exactly. tables: the
+    transition tables (``tokens``, ``logprobs``, ``next_row``, each [D, M, K]); returns the tree's
+    (tokens [N], parents [N], depths [N], mask [N, N], valid [N]), the fields of its Tree."""
     if triton is None:
         raise RuntimeError("the tree-build kernel needs triton: pip install triton")
     D, M, K = tables.tokens.shape
@@ -173,13 +174,4 @@ def build_tree_triton(tables: Tables, root: torch.Tensor, tree_size: int) -> Tre
         tables.tokens.contiguous(), tables.logprobs.float().contiguous(), tables.next_row.contiguous(),
         root.reshape(1).to(torch.long), M, K, *scratch.values(), *out.values(),
         D=D, W=W, CAND=_pow2(max(W * K, K, W)), FLAT=_pow2(D * W), NP=_pow2(tree_size), num_warps=4)
-    return Tree(tokens=out["out_tok"], parents=out["out_par"], depths=out["out_dep"], mask=out["out_mask"],
-                valid=out["out_valid"])
-
-
-def build_tree_fast(tables: Tables, root: torch.Tensor, tree_size: int) -> Tree:
-    """The kernel on CUDA where it fits, else the reference."""
-    D, _, K = tables.tokens.shape
-    if tables.tokens.is_cuda and triton is not None and kernel_fits(D, K, tree_size):
-        return build_tree_triton(tables, root, tree_size)
-    return build_tree(tables, root, tree_size)
+    return out["out_tok"], out["out_par"], out["out_dep"], out["out_mask"], out["out_valid"]

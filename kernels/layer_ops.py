@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from treeflash_export.models.common import apply_rope
-
 from .mlp_expand import _pow2, rms_norm
 
 # ----------------------------------------------------------------------------- reference
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, n, D] rotated by cos/sin [n, D], the rotate-half convention (the pairs are
+    (i, i + D/2)); written here apart from the models' own, so the tests compare two versions."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -38,8 +43,8 @@ def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: 
 
 def qk_norm_rope_reference(qkv, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slots, num_heads: int):
     """qkv [n, (Hq + 2 Hkv) D]; q_weight, k_weight [D] or None (no per-head norm); cos, sin [n, D];
-    k_cache, v_cache [Hkv, S, D] (views into the runtime's cache, written in place); slots [n] int64.
-    Returns q [Hq, n, D]."""
+    k_cache, v_cache [Hkv, S, D] (views into the runtime's cache, written in place); slots [n] int64,
+    negative for padding rows (not written); slot S - 1 must not be a real row's. Returns q [Hq, n, D]."""
     n, D = qkv.shape[0], k_cache.shape[-1]
     Hkv = k_cache.shape[0]
     q, k, v = qkv.view(n, -1, D).split([num_heads, Hkv, Hkv], dim=1)
@@ -49,8 +54,10 @@ def qk_norm_rope_reference(qkv, q_weight, k_weight, eps: float, cos, sin, k_cach
     q = apply_rope(q, cos, sin).contiguous()
     k = apply_rope(k, cos, sin)
     keep = slots >= 0
-    idx = slots.clamp(min=0)
-    # Rows with a negative slot keep the cache's current contents (a gather, then a masked write).
+    # Rows with a negative slot write the cache's last slot back unchanged (a gather, then a masked
+    # write): a scratch slot, so no real row's slot is written twice (the order of duplicate writes
+    # is undefined on a GPU). The runner's caches keep spare slots past their capacity.
+    idx = torch.where(keep, slots, k_cache.shape[1] - 1)
     k_cache.index_copy_(1, idx, torch.where(keep[None, :, None], k, k_cache.index_select(1, idx)))
     v_cache.index_copy_(1, idx, torch.where(keep[None, :, None], v, v_cache.index_select(1, idx)))
     return q

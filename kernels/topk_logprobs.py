@@ -1,8 +1,8 @@
 """The top-k log-probabilities of each row of logits, in two Triton kernels that read the
 logits once (the expansion's last step, after the LM head).
 
-The reference is what the expansion composes (``treeflash_export.models.expand.top_logprobs``):
-``log_softmax(logits.float() / T).topk(k)``.
+The reference (``topk_logprobs_reference``, below) is what the expansion composes
+(treeflash_export.models.expand): ``log_softmax(logits.float() / T).topk(k)``.
 At Qwen3-8B shapes the TreeFlash expansion has (B - 1) x M = 240 rows of 151,936 logits:
 the composition casts them to float32, normalises and selects in four or more launches
 that move about 0.8 GB (the bf16 logits once, then float32 passes of 146 MB each way);
@@ -18,15 +18,15 @@ these kernels read the bf16 logits once (73 MB) and write k entries per row.
   the top k of the chunks' candidates.
 
 Order: by the scaled logits x / T desc, then by index asc, ties included (``torch.topk``
-leaves the order of equal values unspecified). Values differ from the reference only by the
+leaves the order of equal values unspecified). NaN logits (a broken model or overflowed
+activations) rank as -inf, so every id returned is inside the vocabulary: an id past it would
+reach an embedding gather and end the CUDA context with a device-side assert. Values differ from the reference only by the
 order of the row's sum.
 """
 
 from __future__ import annotations
 
 import torch
-
-from treeflash_export.models.expand import top_logprobs as topk_logprobs_reference
 
 from .mlp_expand import _pow2
 
@@ -40,6 +40,13 @@ CHUNK = 4096  # logits per program in the first kernel (151,936 -> 38 chunks a r
 GROUP = 32  # entries per group inside a chunk
 MAX_K = 64
 MAX_CANDIDATES = 8192  # the chunks' candidates of one row, in one program of the second kernel
+
+
+def topk_logprobs_reference(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> the top k of log_softmax(logits / T) in float32: (values, ids), best first."""
+    x = logits.float() / temperature
+    top = torch.log_softmax(x, dim=-1).topk(k, dim=-1)
+    return top.values, top.indices
 
 
 def kernel_fits(vocab: int, k: int, chunk: int = CHUNK) -> bool:
@@ -79,6 +86,7 @@ if triton is not None:
         x = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         if SCALE:
             x = x / temperature
+        x = tl.where(x == x, x, float("-inf"))  # NaN ranks as -inf: no comparison may leave a row without a pick
         m = tl.max(tl.max(x, axis=1), axis=0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         slot = r * n_chunks + c
@@ -99,7 +107,10 @@ if triton is not None:
         y = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         if SCALE:
             y = y / temperature
-        _store_top(y, offs, (kk < K)[:, None] & (e >= 0)[None, :], cand_v + slot * K, cand_i + slot * K, 0.0, 0.0, K)
+        y = tl.where(y == y, y, float("-inf"))
+        # Entries past V are never picked; a chunk with fewer than K entries leaves sentinel ids (-inf,
+        # index _NONE) that lose to every real entry in the merge, where V >= K real ones exist.
+        _store_top(y, offs, (kk < K)[:, None] & (offs < V), cand_v + slot * K, cand_i + slot * K, 0.0, 0.0, K)
 
     @triton.jit
     def _merge_kernel(cand_v, cand_i, stats, n_chunks, out_v, out_i, K: tl.constexpr, NC: tl.constexpr,

@@ -20,7 +20,7 @@ class _Streamer:
     """Prints decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
 
     def __init__(self, tokenizer, stream):
-        from .serving import IncrementalText
+        from .serving.service import IncrementalText
 
         self.text, self.stream = IncrementalText(tokenizer), stream
 
@@ -203,7 +203,7 @@ def _read_prompt(prompt: str | None) -> str:
 
 
 def _run_server(server, protocol, prompt, max_new_tokens, temperature, top_p, seed, end_id, as_json):
-    from .client import generate_http, request_inputs, stream_grpc
+    from .serving.client import generate_http, request_inputs, stream_grpc
 
     def write(piece):
         sys.stdout.write(piece)

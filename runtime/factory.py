@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from treeflash_export.checkpoints import pick_device
 from treeflash_export.config import TreeConfig
 from treeflash_export.errors import TreeFlashError
 
@@ -23,16 +24,6 @@ class Session:
     stop_token_ids: tuple[int, ...]
     dtype: str
     load_stages_s: dict[str, float] = field(default_factory=dict)  # seconds per loading step, where known
-
-
-def pick_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TreeFlashError(f"--device {device} asked for, but this torch build sees no CUDA GPU")
-    return device
 
 
 def default_pair(log=None) -> tuple[str, str]:
@@ -84,7 +75,7 @@ def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | N
                            compile_steps: bool = False, fast_kernels: bool | None = None, log=None) -> Session:
     """requested: tree settings given by the user (None = take the artifact's); mode 'ar' is
     plain decoding over the artifact's verify graph."""
-    from treeflash_export.artifact import check_tree_request, load_artifact
+    from treeflash_export.export.artifact import check_tree_request, load_artifact
     from treeflash_export.checkpoints import load_tokenizer
 
     from .backends import get_runner_class

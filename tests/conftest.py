@@ -17,7 +17,8 @@ from treeflash_export.tiny import write_tiny_pair
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
-torch.set_num_threads(2)
+# 2 threads as on CI's 2-core machines; `make gpu-test-rest` gives a larger machine all its cores.
+torch.set_num_threads(int(os.environ.get("TREEFLASH_TEST_THREADS", "2")))
 
 PAIRS = {
     # name: (verifier family, drafter layout)
@@ -93,3 +94,9 @@ print(json.dumps(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
+
+def make_inputs(B, M, H, I, V, dtype=torch.float32, device="cpu", seed=0):
+    """The MLP expansion's inputs (the kernel benchmark's), with the two norms' epsilons told apart."""
+    from treeflash_kernels.bench import make_problem
+
+    return make_problem(B, M, H, I, V, dtype, device, seed, norm_eps=1e-5)

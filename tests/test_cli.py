@@ -76,8 +76,9 @@ def _edited_drafter(tmp_path, src: Path, **changes) -> Path:
 
 
 def assert_one_line_error(r, *words):
-    """One error line, last, and before it only the loading progress lines (no traceback)."""
-    assert r.exit_code != 0
+    """One error line, last, and before it only the loading progress lines (no traceback); exit status 2
+    (the README's promise for bad input)."""
+    assert r.exit_code == 2, (r.exit_code, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert lines and lines[-1].startswith("error: "), r.stderr
     assert all(line.startswith("loaded ") for line in lines[:-1]), r.stderr
@@ -177,7 +178,7 @@ def test_export_tiny_pair_command(tmp_path):
     assert (tmp_path / "p" / "verifier" / "config.json").is_file()
     assert (tmp_path / "p" / "drafter" / "model.safetensors").is_file()
     r = CliRunner().invoke(export_main, ["tiny-pair", "--out", str(tmp_path / "p")])
-    assert r.exit_code != 0 and "already exists" in r.stderr
+    assert r.exit_code == 2 and "already exists" in r.stderr
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
@@ -215,7 +216,7 @@ def test_export_random_pair_command_runs_exactly(tmp_path):
 
 
 def test_bench_reports_side_by_side_ratios(pair_dirs):
-    from treeflash_runtime.bench import main as bench_main
+    from treeflash_runtime.bench.cli import main as bench_main
 
     d = pair_dirs["qwen3"]
     r = CliRunner().invoke(bench_main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"),
@@ -244,7 +245,7 @@ def test_a_drafter_without_model_pairs_with_the_default_verifier(pair_dirs, monk
                                       "4", "--json"])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(run_main, ["--prompt", "def f(x):", "--max-new-tokens", "4"])
-    assert r.exit_code != 0 and "no-demo" in r.output  # without --drafter the demo drafter is the one loaded
+    assert r.exit_code == 2 and "no-demo" in r.output  # without --drafter the demo drafter is the one loaded
 
 
 def test_the_default_verifier_is_converted_again_under_another_transformers(monkeypatch, tmp_path):

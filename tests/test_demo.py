@@ -42,7 +42,8 @@ def demo():
 
 @pytest.fixture(scope="module")
 def heldout(demo):
-    from treeflash_export.train_data import corpus_files, sample_prompts
+    from treeflash_export.training.data import sample_prompts
+    from treeflash_export.training.sources import corpus_files
 
     return sample_prompts(corpus_files()[1], demo.tokenizer, 2, 48, random.Random(99))
 

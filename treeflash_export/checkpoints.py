@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .config import DrafterConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, TreeFlashError
 from .presets import weight_bytes
 
 SUPPORTED_VERIFIERS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
@@ -35,6 +35,16 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise CheckpointError(f"unknown dtype {name!r}; choose one of float32, float16, bfloat16") from None
+
+
+def pick_device(device: str) -> str:
+    """"auto" is CUDA when this torch build sees a GPU, else the CPU; a CUDA device asked for
+    without one is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TreeFlashError(f"--device {device} asked for, but this torch build sees no CUDA GPU")
+    return device
 
 
 def resolve_checkpoint(name_or_path: str | os.PathLike, what: str) -> Path:
@@ -209,8 +219,27 @@ def validate_pair(verifier_cfg: Any, drafter: DrafterConfig) -> None:
         raise CheckpointError(f"mask_token_id {drafter.mask_token_id} out of range: verifier vocabulary is {vv}")
 
 
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The end-of-turn tokens that the tokenizer's chat template writes after a turn (a chat answer
+    ends there even where the tokenizer's EOS is another token); none without a chat template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return set()
+    ids = set()
+    for name in END_OF_TURN_TOKENS:
+        if name in template:
+            tid = tokenizer.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None):
+                ids.add(tid)
+    return ids
+
+
 def eos_token_ids(tokenizer, model) -> list[int]:
-    """EOS ids from the tokenizer and the model's generation config (either may list several)."""
+    """The ids that end a generation by default: EOS from the tokenizer and the model's generation
+    config (either may list several), and the chat template's end-of-turn token."""
     ids = set()
     for source in (getattr(tokenizer, "eos_token_id", None),
                    getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
@@ -218,6 +247,8 @@ def eos_token_ids(tokenizer, model) -> list[int]:
             ids.add(source)
         elif isinstance(source, (list, tuple)):
             ids.update(int(i) for i in source)
+    if tokenizer is not None:
+        ids |= end_of_turn_ids(tokenizer)
     return sorted(ids)
 
 

@@ -8,14 +8,14 @@ import click
 
 from .config import MODES
 from .errors import TreeFlashError
-from .export import TARGETS, VARIANTS, BuildConfig
+from .export.build import TARGETS, VARIANTS, BuildConfig
 from .presets import PRESETS
 
 _B = BuildConfig()
 
 
 def _train_defaults():
-    from .train import TrainConfig
+    from .training.config import TrainConfig
 
     return TrainConfig()
 
@@ -61,7 +61,7 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
     """
     from transformers.utils import logging as hf_logging
 
-    from .export import build
+    from .export.build import build
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -145,7 +145,8 @@ def train_cmd(model, out, work, resume, init_from, plot, device, data_files, sou
 
     from transformers.utils import logging as hf_logging
 
-    from .train import TrainConfig, plot_history, train
+    from .training.config import TrainConfig
+    from .training.loop import plot_history, train
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -171,7 +172,7 @@ def train_cmd(model, out, work, resume, init_from, plot, device, data_files, sou
 def _mix_option(sources: tuple[str, ...], mix: str) -> str:
     """--source a --source b,c is the mix 'a,b,c' (equal shares); --mix gives the shares itself."""
     from .errors import ConfigError
-    from .train_sources import parse_mix
+    from .training.config import parse_mix
 
     names = ",".join(sources)
     if names and mix and set(parse_mix(names)) != set(parse_mix(mix)):
@@ -227,9 +228,7 @@ def random_pair_cmd(preset, out, device, dtype, seed):
     """
     from pathlib import Path
 
-    from treeflash_runtime.factory import pick_device
-
-    from .checkpoints import parse_dtype
+    from .checkpoints import parse_dtype, pick_device
     from .presets import write_random_pair
 
     if Path(out).exists():
@@ -258,7 +257,7 @@ def triton_repo_cmd(artifact_dir, out, backend, instances, force):
     """Write a Triton Inference Server model repository for ARTIFACT_DIR: a decoupled `treeflash`
     model that streams generations (TensorRT-LLM's request names), and one tensorrt_plan model per
     engine for TensorRT artifacts. Checks the artifact's checksums first."""
-    from .triton_repo import write_triton_repo
+    from .export.triton_repo import write_triton_repo
 
     try:
         path = write_triton_repo(artifact_dir, out, backend=backend, instances=instances, force=force,

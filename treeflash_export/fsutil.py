@@ -38,5 +38,9 @@ def atomic_torch_save(obj, path: Path) -> None:
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:  # interrupted mid-write (Ctrl-C, a full disk): no half-written file is left
+        tmp.unlink(missing_ok=True)
+        raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from treeflash_export.artifact import Artifact
+from treeflash_export.export.artifact import Artifact
 from treeflash_export.config import TreeConfig
 from treeflash_export.tree import Tree, chain_tree
 

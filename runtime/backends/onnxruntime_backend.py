@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeflash_export.artifact import Artifact
+from treeflash_export.export.artifact import Artifact
 from treeflash_export.errors import TreeFlashError
 
 from .graph_runner import GraphRunner

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from treeflash_export.artifact import Artifact, ArtifactError
-from treeflash_export.engines import import_trt
+from treeflash_export.export.artifact import Artifact, ArtifactError
+from treeflash_export.export.engines import import_trt
 from treeflash_export.errors import TreeFlashError
 
 from .graph_runner import TORCH_DTYPES, GraphRunner
@@ -27,12 +27,13 @@ class TensorRTRunner(GraphRunner):
             raise ArtifactError(f"artifact {artifact.root} has no TensorRT engines (built with --target "
                                 f"{artifact.manifest['build']['target']}); rebuild with --target tensorrt")
         trt = import_trt("tensorrt")
-        if not torch.cuda.is_available():
-            raise TreeFlashError("the TensorRT backend needs a CUDA GPU; torch sees none")
+        # The version first: engines from another TensorRT cannot run on any device of this machine.
         built = artifact.manifest["versions"].get("tensorrt")
         if built != trt.__version__:
             raise ArtifactError(f"engines were built with TensorRT {built}, this machine has {trt.__version__}: "
                                 f"rebuild the artifact here (engines are not portable across versions)")
+        if not torch.cuda.is_available():
+            raise TreeFlashError("the TensorRT backend needs a CUDA GPU; torch sees none")
         super().__init__(artifact, torch.device(device))
         self.trt = trt
         logger = trt.Logger(trt.Logger.WARNING)

@@ -64,6 +64,17 @@ def fast_kernels_default(device: torch.device, compiled: bool) -> bool:
     return layer_ops.triton is not None
 
 
+def build_tree_fast(tables: Tables, root: torch.Tensor, tree_size: int) -> Tree:
+    """The tree-build kernel (treeflash_kernels.build_tree) on CUDA where it fits, else the tree
+    algebra's build_tree: the same tree either way."""
+    from treeflash_kernels import build_tree as bt
+
+    D, _, K = tables.tokens.shape
+    if tables.tokens.is_cuda and bt.triton is not None and bt.kernel_fits(D, K, tree_size):
+        return Tree(*bt.build_tree_triton(tables, root, tree_size))
+    return build_tree(tables, root, tree_size)
+
+
 def _project_cache(variable: str, name: str) -> None:
     """Compiled code goes under the project's cache folder (TREEFLASH_CACHE), unless the user's
     environment names another place: a second start reuses it, and one folder holds all of it."""
@@ -104,8 +115,6 @@ class TorchRunner(Runner):
         self.verifier.use_layer_kernels(self.fast_kernels)
         if self.fast_kernels:
             _project_cache("TRITON_CACHE_DIR", "triton")  # the kernels compile on first use
-            from treeflash_kernels.build_tree import build_tree_fast
-
             self.build_tree = build_tree_fast
         else:
             self.build_tree = build_tree
@@ -122,6 +131,8 @@ class TorchRunner(Runner):
         self.timer: dict[str, float] | None = None  # stage name -> seconds, when a benchmark asks
         self._marks: list | None = None  # (stage, start, end) CUDA events recorded into a timing capture
         self.state = self._allocate()
+        # Every count a prefill chunk can have, on the device: a chunk's count is a view, never a copy.
+        self._chunk_counts = torch.arange(PREFILL_CHUNK + 1, device=self.device)
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
         self.generator = torch.Generator(device=self.device)
@@ -179,10 +190,11 @@ class TorchRunner(Runner):
         n = int(prompt.shape[0])
         if self.use_graphs:
             run = self._graphs["prefill", sampling.temperature, sampling.top_p]
+            prompt = prompt.to(self.device)  # the generation's one host-to-device copy of its tokens
             for start in range(0, n, PREFILL_CHUNK):
                 part = prompt[start : start + PREFILL_CHUNK]
                 count = part.shape[0]
-                run(torch.nn.functional.pad(part, (0, PREFILL_CHUNK - count)), torch.tensor(count, device=self.device))
+                run(torch.nn.functional.pad(part, (0, PREFILL_CHUNK - count)), self._chunk_counts[count])
         else:
             self._prefill(prompt, torch.tensor(n, device=self.device), bound=0 if self.compiled else n)
         self._host_past = n
@@ -224,7 +236,7 @@ class TorchRunner(Runner):
         st.past_len += count
         first = self.pick(logits)
         st.root.copy_(first)
-        st.out[0] = 1
+        st.out[:1].fill_(1)  # not out[0] = 1: a Python number is copied from the host, a sync
         st.out[1:2].copy_(first)
 
     def _ar_step(self, bound: int = 0) -> None:
@@ -237,7 +249,7 @@ class TorchRunner(Runner):
             token = self.pick(logits)
         st.past_len += 1
         st.root.copy_(token)
-        st.out[0] = 1
+        st.out[:1].fill_(1)
         st.out[1:2].copy_(token)
 
     def _round(self, bound: int = 0) -> None:
@@ -293,7 +305,7 @@ class TorchRunner(Runner):
         drafts = tree.tokens[path[1:]]  # path order; only the first tau - 1 are accepted drafts
         gained = torch.cat([drafts, bonus.reshape(1)])
         gained = torch.where(torch.arange(L, device=self.device) == tau - 1, bonus, gained)
-        st.out[0] = tau
+        st.out[:1].copy_(tau.reshape(1))
         st.out[1 : 1 + L].copy_(gained)
         st.past_len += tau
         st.root.copy_(bonus.reshape(1))

@@ -38,8 +38,9 @@ def marginal_tables(logits: torch.Tensor, top_k: int, temperature: float, topk_k
     topk_kernel: see top_logprobs."""
     values, indices = top_logprobs(logits[1:], top_k, temperature, topk_kernel)
     tokens, logprobs = indices[:, None, :], values[:, None, :]
-    next_row = torch.zeros_like(tokens)
-    next_row[-1] = -1
+    # Row 0 of the next depth; the last depth's children are leaves. Built from device tensors
+    # (no number assigned into a tensor: that is a host-to-device copy, not allowed in a CUDA graph).
+    next_row = torch.cat([torch.zeros_like(tokens[:-1]), torch.full_like(tokens[-1:], -1)])
     return Tables(tokens, logprobs, next_row)
 
 

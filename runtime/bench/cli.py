@@ -1,0 +1,272 @@
+"""`treeflash-bench`: speculative vs plain decoding, and backend vs backend, side by side in one run.
+
+Every configuration runs the same prompts in one process on one machine, after a
+warm-up generation; the report gives tokens per round, tokens per second, and
+ratios against plain decoding (mode ar) on the same backend and against the
+first backend for the same mode. At temperature 0 it also checks that every
+configuration produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from treeflash_export.config import MODES, SamplingConfig, TreeConfig
+from treeflash_export.errors import TreeFlashError
+from treeflash_export.presets import PRESETS
+
+DEFAULT_PROMPTS = (
+    "def quicksort(items):\n",
+    "The history of the printing press",
+    "import json\n\ndef load_config(path):\n",
+)
+
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device):
+    """One loaded runner per backend: every tree setting (and plain decoding) runs on it."""
+    from ..factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
+
+    if artifacts:
+        return session_from_artifacts(artifacts, {}, backend=backend, device=device)
+    tree = TreeConfig(mode=mode, **tree_kw)
+    return session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device,
+                                    log=lambda m: click.echo(m, err=True))
+
+
+def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
+    if mode == "ar":
+        return TreeConfig(mode="ar")
+    if artifacts:  # the graphs fix the tree
+        if mode != sess.tree.mode:
+            raise TreeFlashError(f"the artifact was built for mode {sess.tree.mode!r}; benchmarking "
+                                 f"{mode!r} needs an artifact built with --mode {mode}")
+        return sess.tree
+    return TreeConfig(mode=mode, **(dict(tree_kw, tree_size=size) if size else tree_kw))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--artifacts", default=None, type=click.Path(file_okay=False), help="An artifact folder.")
+@click.option("--model", default=None, help="Verifier checkpoint (torch backend, without --artifacts).")
+@click.option("--drafter", default=None, help="Drafter checkpoint (torch backend, without --artifacts); without "
+              "--model it drafts for the default verifier, SmolLM2-135M-Instruct.")
+@click.option("--backends", default="torch", help="Comma-separated backends; the first is the reference.")
+@click.option("--modes", default=None, help="Comma-separated modes; 'ar' (plain decoding) is always added. "
+              "[default: the artifact's mode, or treeflash]")
+@click.option("--tree-sizes", default=None,
+              help="Comma-separated tree sizes N (checkpoints only; an artifact has its own). "
+                   f"[default: {TreeConfig.tree_size}; 16,32,64 with --random-weights]")
+@click.option("--top-m", type=int, default=TreeConfig.top_m)
+@click.option("--top-k", type=int, default=TreeConfig.top_k)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable). [default: three built-in prompts]")
+@click.option("--heldout-prompts", type=int, default=0,
+              help="Instead, K prompts cut from the held-out part of the training corpus (never trained on).")
+@click.option("--heldout-domain", type=click.Choice(["code", "chat-stdlib", "chat-prose"]), default="code",
+              help="With --heldout-prompts: the training source they come from; chat domains are chat-templated "
+                   "requests about held-out modules or Shakespeare passages.")
+@click.option("--prompt-tokens", type=int, default=48, help="Length of each held-out code prompt in tokens.")
+@click.option("--max-new-tokens", type=int, default=64)
+@click.option("--ignore-eos", is_flag=True,
+              help="Generate --max-new-tokens every time; by default a generation ends at the model's end-of-turn "
+                   "or EOS token, as treeflash-run's does.")
+@click.option("--max-seq-len", type=int, default=None)
+@click.option("--repeat", type=int, default=1, help="Timed repetitions per prompt (after one warm-up).")
+@click.option("--device", default="auto")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option("--server", default=None, metavar="HOST:PORT",
+              help="Instead: time to first token and inter-token latency in process (ONNX Runtime over "
+                   "--artifacts) vs through this Triton server's treeflash model (serving the same artifact).")
+@click.option("--concurrency", type=int, default=8, help="With --server: concurrent streams of the load row.")
+@click.option("--requests", type=int, default=16, help="With --server: distinct prompts per row.")
+@click.option("--random-weights", "preset", default=None, type=click.Choice(sorted(PRESETS)),
+              help="Instead: time rounds and plain steps of a random-weight pair at this model's shapes, built "
+                   "on the device (no download), against the weight-reading floor.")
+@click.option("--prompt-lengths", default="512,8192", help="With --random-weights: comma-separated prompt lengths.")
+@click.option("--rounds", type=int, default=32, help="With --random-weights: timed rounds (or steps) per row.")
+@click.option("--warmup", type=int, default=3, help="With --random-weights: untimed rounds before them.")
+@click.option("--tokens-per-round", type=float, default=3.0,
+              help="With --random-weights: the tokens per round assumed for the implied speed-up.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              help="With --random-weights: auto = bfloat16 on CUDA, float32 on CPU.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, help="torch backend on CUDA: replay captured rounds.")
+@click.option("--compile/--no-compile", "compile_steps", default=False,
+              help="With --random-weights: torch.compile the steps (see treeflash-run --compile).")
+@click.option("--fast-kernels", type=click.Choice(["auto", "on", "off", "both"]), default="auto",
+              help="With --random-weights: the project's fast kernels on or off (see treeflash-run "
+                   "--fast-kernels), or both side by side in one run.")
+@click.option("--stages/--no-stages", default=True,
+              help="With --random-weights: also time each stage of a round (inside the CUDA graph where graphs "
+                   "are on, else eagerly and synchronised; not with --compile).")
+def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
+         heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
+         concurrency, requests, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, fast_kernels, stages):
+    """Benchmark tree speculative decoding against plain decoding (and backends against each other).
+
+    Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
+    demo drafter). With --server and --artifacts, it benchmarks serving instead; with
+    --random-weights PRESET, round and step times at real shapes.
+    """
+    if preset is not None:
+        _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
+                     device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json)
+        return
+    tree_sizes = tree_sizes or str(TreeConfig.tree_size)
+    if server is not None:
+        _serving_main(artifacts, server, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens, concurrency,
+                      requests, as_json)
+        return
+    try:
+        source = (("heldout", heldout_prompts, prompt_tokens, heldout_domain) if heldout_prompts
+                  else list(prompts) or list(DEFAULT_PROMPTS))
+        report = run_bench(artifacts, model, drafter, _split(backends), modes,
+                           [int(n) for n in _split(tree_sizes)], dict(top_m=top_m, top_k=top_k), source,
+                           max_new_tokens, max_seq_len, repeat, device, ignore_eos=ignore_eos)
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+    else:
+        click.echo(format_report(report))
+
+
+def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
+                 device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json):
+    from .random_weights import format_random_report, run_random_bench
+
+    try:
+        report = run_random_bench(
+            preset, modes=_split(modes or "chain,marginal,treeflash"),
+            tree_sizes=[int(n) for n in _split(tree_sizes or "16,32,64")], top_m=top_m, top_k=top_k,
+            prompt_lengths=[int(n) for n in _split(prompt_lengths)], rounds=rounds, warmup=warmup,
+            tokens_per_round=tokens_per_round, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+            compile_steps=compile_steps, stages=stages,
+            fast_kernels={"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}[fast_kernels],
+            log=lambda m: click.echo(m, err=True))
+    except (TreeFlashError, ValueError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else format_random_report(report))
+    if report["failed"]:  # the other path's rows are printed above, but the run did not succeed
+        label, message = next(iter(report["failed"].items()))
+        click.echo(f"error: the {label} path failed: {message.splitlines()[0]}", err=True)
+        sys.exit(1)
+
+
+def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, requests, as_json):
+    from .server import format_serving_report, run_serving_bench
+
+    try:
+        if not artifacts:
+            raise TreeFlashError("--server needs --artifacts: the artifact folder the server serves, run in process "
+                                 "for the side-by-side rows")
+        report = run_serving_bench(artifacts, server, prompts, max_new_tokens, concurrency, requests)
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else format_serving_report(report))
+
+
+def _prompt_ids(source, tokenizer) -> list[list[int]]:
+    if isinstance(source, tuple):  # ("heldout", count, length, domain): held-out material of a training source
+        import random
+
+        from treeflash_export.training.data import sample_prompts
+        from treeflash_export.training.sources import corpus_files
+
+        _, count, length, domain = source
+        if domain != "code":
+            from treeflash_export.training.chat import heldout_prompts
+
+            return heldout_prompts(domain, tokenizer, count)
+        return sample_prompts(corpus_files()[1], tokenizer, count, length, random.Random(1234))
+    return [tokenizer(p)["input_ids"] for p in source]
+
+
+def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, prompts, max_new_tokens,
+              max_seq_len, repeat, device, *, ignore_eos: bool = False) -> dict:
+    from transformers.utils import logging as hf_logging
+
+    from ..loop import generate
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if modes is None:
+        if artifacts:
+            from treeflash_export.export.artifact import load_artifact
+
+            modes = load_artifact(artifacts).tree.mode
+        else:
+            modes = "treeflash"
+    mode_list = [m for m in _split(modes) if m != "ar"] + ["ar"]
+    bad = [m for m in mode_list if m not in MODES]
+    if bad:
+        raise TreeFlashError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
+    rows, outputs = [], {}
+    configs = [(m, n) for m in mode_list if m not in ("ar", "chain") for n in (tree_sizes if not artifacts else [None])]
+    configs = [(m, None) for m in mode_list if m == "chain"] + configs + [("ar", None)]
+    ids = None
+    for backend in backends:
+        sess = _session(artifacts, model, drafter, backend, mode_list[0], tree_kw, max_seq_len, device)
+        if ids is None:
+            ids = _prompt_ids(prompts, sess.tokenizer)
+        stops = () if ignore_eos else tuple(sorted(sess.stop_token_ids))
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        for mode, size in configs:
+            tree = _tree_for(sess, artifacts, mode, size, tree_kw)
+            generate(sess.runner, ids[0], tree, sampling)  # warm-up
+            tokens = rounds = gained = 0
+            elapsed = 0.0
+            outs = []
+            for _ in range(repeat):
+                for p in ids:
+                    t0 = time.perf_counter()
+                    res = generate(sess.runner, p, tree, sampling)
+                    elapsed += time.perf_counter() - t0
+                    tokens += res.stats.new_tokens
+                    rounds += res.stats.rounds
+                    gained += sum(res.stats.accept_lengths)
+                    outs.append(res.token_ids)
+            outputs[backend, mode, size] = outs
+            rows.append({"backend": backend, "mode": mode, "tree_size": tree.resolved(sess.runner.block_size).tree_size,
+                         "new_tokens": tokens, "rounds": rounds, "elapsed_s": elapsed,
+                         "mean_accepted": gained / rounds if rounds else 0.0,
+                         "tokens_per_s": tokens / elapsed if elapsed else 0.0})
+    by = {(r["backend"], r["mode"], r["tree_size"]): r for r in rows}
+    for r in rows:
+        r["speedup_vs_ar"] = r["tokens_per_s"] / by[r["backend"], "ar", 1]["tokens_per_s"]
+        r["ratio_vs_" + backends[0]] = r["tokens_per_s"] / by[backends[0], r["mode"], r["tree_size"]]["tokens_per_s"]
+    reference = next(iter(outputs.values()))
+    identical = all(o == reference for o in outputs.values())
+    import platform
+
+    import torch
+
+    return {"rows": rows, "identical_outputs": identical, "prompts": len(ids), "repeat": repeat,
+            "max_new_tokens": max_new_tokens, "stops_at_eos": not ignore_eos, "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "artifacts": artifacts}
+
+
+def format_report(report: dict) -> str:
+    rows = report["rows"]
+    ref = next(k for k in rows[0] if k.startswith("ratio_vs_"))
+    head = f"{'backend':<12} {'mode':<10} {'N':>4} {'tok/round':>9} {'tok/s':>9} {'vs ar':>7} {ref.replace('ratio_', ''):>12}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['backend']:<12} {r['mode']:<10} {r['tree_size']:>4} {r['mean_accepted']:>9.2f} "
+                     f"{r['tokens_per_s']:>9.1f} {r['speedup_vs_ar']:>6.2f}x {r[ref]:>11.2f}x")
+    lines.append(f"greedy outputs identical across all rows: {report['identical_outputs']} "
+                 f"({report['prompts']} prompts x {report['repeat']}, up to {report['max_new_tokens']} new tokens"
+                 f"{', ending at end of turn' if report.get('stops_at_eos') else ''})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

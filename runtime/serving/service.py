@@ -1,0 +1,222 @@
+"""Serving one request of the `treeflash` Triton model: parse and check its inputs, run the round
+loop, stream replies. Free of Triton imports, so it runs (and is tested) without a server; the
+model.py adapter in the repository only converts tensors and replies.
+
+A request's tensors carry a leading batch axis of 1 (the model's max_batch_size is 1). Every
+problem with a request is a RequestError whose message goes back to the client as the error
+of that request; the model keeps serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from treeflash_export.config import SamplingConfig
+from treeflash_export.errors import ConfigError, TreeFlashError
+from treeflash_export.export.triton_repo import NUMPY_DTYPES, SERVING_INPUTS, SERVING_OUTPUTS
+
+from ..factory import Session, session_from_artifacts
+from ..loop import generate, required_capacity
+
+
+class RequestError(TreeFlashError):
+    """A request the model cannot serve; the message names the input and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    max_tokens: int
+    stream: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    random_seed: int = 0
+    end_id: int | None = None  # None: the model's EOS ids; -1: no end token
+    stop_words: tuple[str, ...] = ()
+
+
+@dataclass
+class Reply:
+    text: str  # streamed: this response's new text; otherwise the whole text
+    token_ids: list[int]  # this response's tokens
+    new_tokens: int  # so far
+    rounds: int  # so far
+    mean_accepted: float
+    stop_reason: str = ""  # set on the final reply only
+    final: bool = False
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        """The response tensors, by SERVING_OUTPUTS name, each with a leading batch axis of 1."""
+        values = {"text_output": [self.text.encode("utf-8")], "output_ids": self.token_ids,
+                  "new_tokens": [self.new_tokens], "rounds": [self.rounds], "mean_accepted": [self.mean_accepted],
+                  "stop_reason": [self.stop_reason.encode("utf-8")]}
+        return {s.name: np.array([values[s.name]], dtype=NUMPY_DTYPES[s.dtype]).reshape(1, -1) for s in SERVING_OUTPUTS}
+
+
+def _values(name: str, arr, dtype: str) -> list:
+    arr = np.asarray(arr)
+    if dtype == "string":
+        if arr.dtype != object and arr.dtype.kind not in "SU":
+            raise RequestError(f"input {name!r} must be TYPE_STRING, got {arr.dtype}")
+        return [v.decode("utf-8", errors="strict") if isinstance(v, bytes) else str(v) for v in arr.reshape(-1)]
+    if arr.dtype != NUMPY_DTYPES[dtype]:
+        raise RequestError(f"input {name!r} must be {dtype}, got {arr.dtype}")
+    return arr.reshape(-1).tolist()
+
+
+def parse_request(inputs: dict[str, np.ndarray]) -> Request:
+    """Tensors by name -> Request; names, dtypes and counts are checked against SERVING_INPUTS."""
+    specs = {s.name: s for s in SERVING_INPUTS}
+    unknown = sorted(set(inputs) - set(specs))
+    if unknown:
+        raise RequestError(f"unknown input {unknown[0]!r}; the inputs are {', '.join(specs)}")
+    got = {}
+    for name, spec in specs.items():
+        if name not in inputs:
+            if not spec.optional:
+                raise RequestError(f"missing input {name!r} ({spec.doc})")
+            continue
+        try:
+            vals = _values(name, inputs[name], spec.dtype)
+        except UnicodeDecodeError:
+            raise RequestError(f"input {name!r} is not valid UTF-8") from None
+        if name != "stop_words" and len(vals) != 1:
+            raise RequestError(f"input {name!r} must hold one value (a batch of one request), got {len(vals)}")
+        got[name] = vals if name == "stop_words" else vals[0]
+    if got["max_tokens"] < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {got['max_tokens']}")
+    if not got["text_input"]:
+        raise RequestError("text_input is empty")
+    if got.get("end_id", 0) < -1:
+        raise RequestError(f"end_id must be a token id, or -1 for none; got {got['end_id']}")
+    if any(not w for w in got.get("stop_words", ())):
+        raise RequestError("stop_words must not contain an empty string")
+    return Request(got["text_input"], got["max_tokens"], bool(got.get("stream", False)),
+                   float(got.get("temperature", 0.0)), float(got.get("top_p", 1.0)),
+                   int(got.get("random_seed", 0)), got.get("end_id"), tuple(got.get("stop_words", ())))
+
+
+class IncrementalText:
+    """Decodes a growing token list to text pieces, holding back incomplete UTF-8 sequences, and
+    finds stop words (the text is cut right after the first one)."""
+
+    def __init__(self, tokenizer, stop_words: tuple[str, ...] = ()):
+        self.tokenizer, self.stop_words = tokenizer, stop_words
+        self.tokens: list[int] = []
+        self.text = ""  # handed out so far
+        self.stopped = False
+
+    def add(self, new: list[int]) -> str:
+        """New tokens -> the text they complete (maybe empty). After a stop word, ``tokens`` keeps only
+        the tokens up to the one that completes it (those after it in the same round are dropped)."""
+        start = len(self.tokens)
+        self.tokens.extend(new)
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = None
+        for w in self.stop_words:
+            at = full.find(w, max(0, len(self.text) - len(w)))
+            if at >= 0 and (cut is None or at + len(w) < cut):
+                cut = at + len(w)  # the earliest end among the stop words
+        if cut is not None:
+            full, self.stopped = full[:cut], True
+            # The shortest run of tokens whose text holds the text up to the cut. The word was not in
+            # the text of the earlier tokens (it would have been found then), so a new one completes it.
+            keep = next((k for k in range(start + 1, len(self.tokens))
+                         if self.tokenizer.decode(self.tokens[:k], skip_special_tokens=True).startswith(full)),
+                        len(self.tokens))
+            del self.tokens[keep:]
+        if full.endswith("\ufffd") and not self.stopped:
+            return ""
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+    def flush(self) -> str:
+        """The rest of the text, incomplete characters included (generation has ended)."""
+        if self.stopped:
+            return ""
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+
+@dataclass
+class _Progress:
+    calls: int = 0
+    tokens: int = 0
+
+    def stats(self) -> dict:
+        rounds = max(self.calls - 1, 0)  # the first tokens come from prefill
+        return {"new_tokens": self.tokens, "rounds": rounds,
+                "mean_accepted": (self.tokens - 1) / rounds if rounds else 0.0}
+
+
+@dataclass
+class Service:
+    """One loaded session serving requests one at a time."""
+
+    session: Session
+    tree_size: int = field(init=False)
+
+    def __post_init__(self):
+        self.tree_size = self.session.tree.resolved(self.session.runner.block_size).tree_size
+
+    @classmethod
+    def from_artifact(cls, folder, backend: str, device: str = "auto", verify_checksums: bool = True) -> "Service":
+        return cls(session_from_artifacts(str(folder), {}, backend=backend, device=device,
+                                          verify_checksums=verify_checksums))
+
+    def warm_up(self) -> None:
+        self.handle({"text_input": np.array([[b"warm-up"]], dtype=object),
+                     "max_tokens": np.array([[2]], dtype=np.int32)}, lambda reply: None)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        S, N = self.session.runner.capacity, self.tree_size
+        if prompt_len + N > S:
+            raise RequestError(f"the prompt is {prompt_len} tokens but this model's cache holds {S} (with a tree "
+                               f"of {N}): at most {S - N} prompt tokens; shorten it, or serve an artifact built "
+                               f"with a larger --max-seq-len")
+        need = required_capacity(prompt_len, max_tokens, N)
+        if need > S:
+            raise RequestError(f"max_tokens {max_tokens} with a prompt of {prompt_len} tokens needs {need} cache "
+                               f"slots but this model's cache holds {S}: ask for at most "
+                               f"{S - prompt_len + 1 - N} tokens")
+
+    def handle(self, inputs: dict[str, np.ndarray], send: Callable[[Reply], None]) -> Reply:
+        """Serve one request; ``send`` receives every reply (in streaming mode one per round, then a
+        final one with the statistics; otherwise only the final one, with the whole text)."""
+        req = parse_request(inputs)
+        sess = self.session
+        ids = sess.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
+        self.check_fits(len(ids), req.max_tokens)
+        if req.end_id is None:
+            stops = sess.stop_token_ids
+        else:
+            stops = () if req.end_id == -1 else (req.end_id,)
+        sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
+                                  seed=req.random_seed, stop_token_ids=tuple(stops))
+        try:
+            sampling.validate()
+        except ConfigError as exc:  # its messages name the CLI options: give the input names instead
+            raise RequestError(str(exc).replace("--top-p", "top_p").replace("--", "")) from None
+        text, progress = IncrementalText(sess.tokenizer, req.stop_words), _Progress()
+
+        def on_tokens(new: list[int]) -> bool:
+            before = len(text.tokens)
+            piece = text.add(new)
+            kept = text.tokens[before:]  # after a stop word: only the tokens up to it
+            progress.calls += 1
+            progress.tokens += len(kept)
+            if req.stream:
+                send(Reply(piece, kept, **progress.stats()))
+            return text.stopped
+
+        result = generate(sess.runner, ids, sess.tree, sampling, on_tokens=on_tokens)
+        rest = text.flush()
+        s = result.stats
+        final = Reply(rest if req.stream else text.text, [] if req.stream else list(text.tokens), len(text.tokens),
+                      s.rounds, s.mean_accepted, "stop_word" if text.stopped else result.stop_reason, final=True)
+        send(final)
+        return final

@@ -1,0 +1,129 @@
+"""The exactness checks on a CUDA GPU (fp32), and bf16 agreement with transformers' bf16 greedy output.
+
+Skipped where torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS
+from oracle import SETTINGS, OracleRunner
+from transformers import GenerationConfig
+
+from treeflash_export.checkpoints import load_pair
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_runtime import generate
+from treeflash_runtime.backends.torch_backend import TorchRunner
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none"),
+]
+MODES = ["treeflash", "marginal", "chain", "ar"]
+
+
+def _greedy(model, ids, n):
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+    out = model.generate(torch.tensor([ids], device=model.device), generation_config=cfg)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("fast_kernels", [True, False], ids=["fast-kernels", "torch-ops"])
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_fp32_greedy_equals_verifier(pair_dirs, name, mode, fast_kernels):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    d = pair_dirs[name]
+    pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.float32)
+    for i, prompt in enumerate(PROMPTS):
+        ids = pair.tokenizer(prompt)["input_ids"]
+        ref = _greedy(pair.verifier, ids, 64)
+        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, fast_kernels=fast_kernels)
+        assert runner.use_graphs and runner.fast_kernels == fast_kernels
+        res = generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=64))
+        assert res.token_ids == ref, (name, mode, i)
+        if mode != "ar":
+            oracle = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + ref, seed=i,
+                                  fast_kernels=fast_kernels)
+            res = generate(oracle, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=64))
+            assert res.token_ids == ref, (name, mode, i, "oracle")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_bf16_agrees_with_verifier_bf16(pair_dirs, mode):
+    """bf16 kernels round differently for a tree batch than for one token, so near-ties may flip;
+    we require agreement over the first 32 tokens and report the full agreement length."""
+    d = pair_dirs["qwen3"]
+    pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.bfloat16)
+    for prompt in PROMPTS:
+        ids = pair.tokenizer(prompt)["input_ids"]
+        ref = _greedy(pair.verifier, ids, 64)
+        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+        out = generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=64)).token_ids
+        agree = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), len(ref))
+        print(f"bf16 {mode}: {agree}/64 tokens agree")
+        assert agree >= 32
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_replay_never_synchronises_and_equals_eager(pair_dirs, mode):
+    """A captured round replays with no host synchronisation (CUDA's sync-debug mode raises on one),
+    and graphs on and off give the same tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    d = pair_dirs["qwen3"]
+    pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.float32)
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    outs = []
+    for graphs in (True, False):
+        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, cuda_graphs=graphs)
+        outs.append(generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=48)).token_ids)
+        if graphs:
+            tree = TreeConfig(mode=mode, **SETTINGS).resolved(runner.block_size)
+            graph = runner._graphs[runner._graph_key(tree, SamplingConfig())]
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                graph()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("mode,temperature,top_p", [("treeflash", 1.0, 1.0), ("marginal", 0.7, 0.8)])
+def test_cuda_graph_sampling_matches_verifier_distribution(mode, temperature, top_p):
+    """The sampling test of test_sampling on the device-resident round, captured in CUDA graphs."""
+    import copy
+
+    from test_sampling import ALPHA, exact_distribution, gof_pvalue, make_small_vocab_pair, sample_counts
+
+    verifier, drafter = make_small_vocab_pair()
+    probs = exact_distribution(verifier, temperature, top_p)  # on the CPU copy
+    runner = TorchRunner(copy.deepcopy(verifier).cuda(), copy.deepcopy(drafter).cuda(), capacity=32)
+    assert runner.use_graphs
+    n = 1200
+    counts = sample_counts(runner, TreeConfig(mode=mode, tree_size=8, top_m=2, top_k=3), temperature, top_p, n)
+    assert gof_pvalue(counts, probs, n) > ALPHA
+
+
+def test_cuda_graph_stage_times_leave_the_generation_unchanged(pair_dirs):
+    """The benchmark's in-graph stage breakdown: every stage timed, and the state restored, so the
+    rounds after it give the same tokens as rounds never interrupted."""
+    d = pair_dirs["qwen3"]
+    pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.float32)
+    prompt = torch.tensor(pair.tokenizer(PROMPTS[0])["input_ids"], device="cuda")
+    tree = TreeConfig(mode="treeflash", **SETTINGS)
+    streams = []
+    for timed in (False, True):
+        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+        tokens = [runner.begin(prompt, tree, SamplingConfig())]
+        for i in range(8):
+            if timed and i == 3:
+                past = int(runner.state.past_len)
+                times = runner.graph_stage_times(4)
+                assert set(times) == {"draft", "expand", "tree", "verify", "accept"}, times
+                assert all(ms > 0 for ms in times.values()) and int(runner.state.past_len) == past
+            tokens += runner.round()
+        streams.append(tokens)
+    assert streams[0] == streams[1]

@@ -1,0 +1,355 @@
+"""The GPU fast path's pieces that CPU can prove: the in-place model forms against the exported
+forms, the tree-attention kernel (Triton's interpreter on CPU, compiled on CUDA) against its
+reference, a round that reads no host value, and the cache-size check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_export.errors import ConfigError
+from treeflash_export.models.common import attend
+from treeflash_export.tree import chain_tree
+from treeflash_kernels import tree_attention as ta
+from treeflash_runtime.backends.torch_backend import TorchRunner
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(ta.triton is None, reason="triton is not installed (pip install triton)")
+
+
+def attention_problem(Hq, Hkv, n, S, D, P, *, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((Hq, n, D), (Hkv, S, D), (Hkv, S, D)))
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]  # a random tree
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+    return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), torch.tensor(P, device=device),
+            mask.to(device))
+
+
+# (Hq, Hkv, n, S, D, P): grouped and plain heads, one query, an empty prefix, a full cache.
+SHAPES = [(4, 2, 5, 40, 16, 13), (4, 2, 1, 40, 16, 0), (6, 2, 7, 100, 32, 60), (4, 4, 3, 64, 16, 61),
+          (8, 2, 16, 130, 16, 100), (2, 1, 1, 300, 64, 299)]
+IDS = ["Hq{}-Hkv{}-n{}-S{}-D{}-P{}".format(*s) for s in SHAPES]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_reference_is_the_concatenated_form(shape):
+    """The in-place definition equals the exported graphs' form: the prefix sliced to P, the new
+    nodes appended under the tree mask, K/V repeated per group (models.common.attend)."""
+    q, k, v, past, mask = attention_problem(*shape)
+    P, n = int(past), q.shape[1]
+    full = torch.cat([torch.ones(n, P, dtype=torch.bool), mask], dim=1)
+    want = attend(q, k[:, : P + n], v[:, : P + n], full)
+    got = ta.tree_attention_reference(q, k, v, past, mask)
+    assert (got - want).abs().max() < 1e-5
+    assert (ta.tree_attention_reference(q, k, v, past, mask, key_bound=P + n) - got).abs().max() < 1e-6
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [0, 1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_kernel_matches_reference_fp32(shape, splits):
+    q, k, v, past, mask = attention_problem(*shape, device=DEVICE)
+    out = ta.tree_attention_triton(q, k, v, past, mask, splits=splits)
+    ref = ta.tree_attention_reference(q, k, v, past, mask)
+    assert out.shape == ref.shape == (shape[2], shape[0] * shape[4])
+    assert (out - ref).abs().max() < 1e-5  # seen: about 3e-7
+
+
+@needs_triton
+def test_kernel_reads_the_cache_in_place_and_stops_at_the_length():
+    """A layer's K/V as views of the runtime's [L, 2, Hkv, S, D] cache, and garbage (NaN) in every
+    slot past P + n: the kernel must neither copy nor look past the length."""
+    q, k, v, past, mask = attention_problem(4, 2, 6, 96, 16, 37, device=DEVICE)
+    cache = torch.full((3, 2, 2, 96, 16), float("nan"), device=DEVICE)
+    cache[1, 0, :, :43], cache[1, 1, :, :43] = k[:, :43], v[:, :43]
+    out = ta.tree_attention_triton(q, cache[1, 0], cache[1, 1], past, mask)
+    ref = ta.tree_attention_reference(q, k, v, past, mask)
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_launch_plan_is_static_and_covers_the_cache():
+    for n, S in [(1, 4096), (64, 4096), (64, 8192), (7, 33)]:
+        plan = ta.launch_plan(n, 32, 8, S, 128)
+        assert plan["splits"] * plan["split_len"] >= S and plan["split_len"] % plan["block_n"] == 0
+        assert plan["row_blocks"] * plan["block_m"] >= plan["G"] * n
+    # A single query at 8 K/V heads still spreads over many programs (about two per H100 SM).
+    plan = ta.launch_plan(1, 32, 8, 8192, 128)
+    assert plan["row_blocks"] * 8 * plan["splits"] >= 256
+
+
+def test_custom_op_fake_and_cpu_path():
+    from treeflash_kernels.ops import tree_attention
+
+    args = attention_problem(4, 2, 5, 40, 16, 13)
+    assert torch.equal(tree_attention(*args), ta.tree_attention_reference(*args))
+    torch.library.opcheck(tree_attention, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.bfloat16, 3e-2)])
+def test_kernel_16_bit_cuda(dtype, tol):
+    for shape in [(32, 8, 1, 4096, 128, 4000), (32, 8, 64, 4096, 128, 600)]:
+        q, k, v, past, mask = attention_problem(*shape, dtype=dtype, device="cuda")
+        ref = ta.tree_attention_reference(q.float(), k.float(), v.float(), past, mask)
+        err = (ta.tree_attention_triton(q, k, v, past, mask).float() - ref).abs().max().item()
+        assert err < tol, err
+
+
+# ---------------------------------------------------------------- in-place model forms
+
+
+@torch.no_grad()
+def test_in_place_verifier_equals_the_exported_form(load):
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=64)
+    v = runner.verifier
+    prompt = torch.tensor(pair.tokenizer("def main(argv):\n")["input_ids"])
+    P = prompt.shape[0]
+    cache = v.new_cache(64)
+    logits, feats = v.forward_cached(*_chain(prompt, 0), cache, torch.tensor(0))
+    want_logits, want_feats, want_kv = v(*_chain(prompt, 0), v.new_cache(64), 0)
+    assert (logits - want_logits).abs().max() < 1e-5 and (feats - want_feats).abs().max() < 1e-5
+    assert (cache[:, :, :, :P] - want_kv).abs().max() < 1e-5
+    # A tree on top of the prefix; only the last node's logits asked for.
+    tokens = torch.tensor([7, 8, 9, 10])  # parents -1, 0, 0, 1
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    depths = mask.sum(-1) - 1
+    want_logits, want_feats, want_kv = v(tokens, P + depths, mask, cache, P)
+    logits, feats = v.forward_cached(tokens, P + depths, mask, cache, torch.tensor(P), logit_rows=torch.tensor([3]))
+    assert (logits - want_logits[3:]).abs().max() < 1e-5 and (feats - want_feats).abs().max() < 1e-5
+    assert (cache[:, :, :, P : P + 4] - want_kv).abs().max() < 1e-5
+
+
+def _chain(tokens, start):
+    t = chain_tree(tokens)
+    return t.tokens, start + t.depths, t.mask
+
+
+@torch.no_grad()
+def test_in_place_drafter_equals_the_exported_form(load):
+    """Context padded to a fixed row count with a valid count, then the block: same z and the same
+    context K/V as the exported form with its separate new-K/V output."""
+    pair = load("qwen3")
+    d, cfg = pair.drafter.model, pair.drafter_cfg
+    H, B, T = cfg.hidden_size, cfg.block_size, len(cfg.target_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    feats, block = torch.randn(11, T * H, generator=g), torch.randn(B, H, generator=g)
+    ref_cache = d.new_cache(48)
+    _, kv = d(feats[:7], torch.arange(7), block, torch.arange(7, 7 + B), ref_cache, 0)
+    ref_cache[:, :, :, :7] = kv
+    want_z, want_kv = d(feats[7:], torch.arange(7, 11), block, torch.arange(11, 11 + B), ref_cache, 7)
+
+    cache = d.new_cache(48)
+    assert d.forward_cached(feats[:7], torch.tensor(0), torch.tensor(7), None, cache) is None
+    padded = torch.cat([feats[7:], torch.randn(B - 4, T * H, generator=g)])
+    z = d.forward_cached(padded, torch.tensor(7), torch.tensor(4), block, cache)
+    assert (z - want_z).abs().max() < 1e-5
+    assert (cache[:, :, :, :7] - ref_cache[:, :, :, :7]).abs().max() < 1e-5
+    assert (cache[:, :, :, 7:11] - want_kv).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- no host value inside a round
+
+MODES = [("treeflash", 0.0), ("marginal", 0.0), ("chain", 0.0), ("ar", 0.0), ("treeflash", 0.8)]
+
+
+@pytest.mark.parametrize("fast_kernels", [False, True], ids=["torch-ops", "fast-kernels"])
+@pytest.mark.parametrize("mode,temperature", MODES)
+def test_round_reads_no_host_value(load, mode, temperature, fast_kernels):
+    """What a CUDA graph needs: with the state as fake tensors (values unknown), any host read
+    (.item(), int(), bool(), indexing with a 0-d tensor, nonzero, data-dependent shapes) raises."""
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=96, fast_kernels=fast_kernels)
+    tree = TreeConfig(mode=mode, tree_size=16, top_m=4, top_k=4).resolved(runner.block_size)
+    runner.begin(torch.tensor([5, 6, 7, 8]), tree, SamplingConfig(temperature=temperature, top_p=0.9))
+    runner.generator = None  # fake tensors cannot draw from a generator; the default one stands in
+    mode_ = FakeTensorMode(allow_non_fake_inputs=True)
+    st = runner.state
+    runner.state = dataclasses.replace(st, **{f.name: mode_.from_tensor(getattr(st, f.name))
+                                              for f in dataclasses.fields(st) if getattr(st, f.name) is not None})
+    unknown_count = mode_.from_tensor(torch.tensor(5))  # a fake whose value the mode does not know
+    with torch.inference_mode(), mode_:
+        with pytest.raises(DataDependentOutputException):  # the check itself can fail
+            int(runner.state.past_len + 1)
+        with pytest.raises(DataDependentOutputException):
+            int(unknown_count)
+        (runner._ar_step if mode == "ar" else runner._round)()
+        runner._prefill(torch.zeros(32, dtype=torch.long), unknown_count)  # int(count) would raise
+
+
+class HostTensorSpy(TorchDispatchMode):
+    """Records every tensor that enters an operator without being device state (given) or an
+    earlier operator's output: on a GPU such a tensor was made on the host and copied over, which
+    synchronises and is not permitted while a CUDA graph captures. `x[0] = 1` and `torch.tensor(...)`
+    are the usual sources; on the CPU they cost nothing, so only this bookkeeping can see them."""
+
+    def __init__(self, device_tensors):
+        super().__init__()
+        self.known = {id(t): t for t in device_tensors}  # holding them keeps their ids unique
+        self.host_made: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs or {})):
+            if isinstance(t, torch.Tensor) and id(t) not in self.known:
+                self.host_made.append(f"{func} {tuple(t.shape)}")
+        out = func(*args, **(kwargs or {}))
+        self.known.update((id(t), t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _device_tensors(runner) -> list[torch.Tensor]:
+    found = [t for t in vars(runner.state).values() if isinstance(t, torch.Tensor)]
+    for module in (runner.verifier, runner.drafter):
+        for m in module.modules():  # parameters, buffers and plain tensor attributes (merged weights)
+            found += [t for t in tree_leaves(vars(m)) if isinstance(t, torch.Tensor)]
+    return found
+
+
+def test_host_tensor_spy_sees_a_number_assigned_to_an_element():
+    state = torch.zeros(4, dtype=torch.long)
+    with torch.inference_mode(), HostTensorSpy([state]) as spy:
+        state[:1].fill_(1)
+        state[1:2].copy_(state[:1] + 1)
+    assert spy.host_made == []
+    with torch.inference_mode(), HostTensorSpy([state]) as spy:
+        state[0] = 1
+    assert spy.host_made, "the spy missed a host-made scalar"
+
+
+@pytest.mark.parametrize("fast_kernels", [False, True], ids=["torch-ops", "fast-kernels"])
+@pytest.mark.parametrize("mode,temperature", MODES)
+def test_captured_functions_make_no_tensor_on_the_host(load, mode, temperature, fast_kernels):
+    """The functions CUDA captures (the round or plain step, and a prefill chunk with the count
+    begin() passes) use only device state and their own results."""
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=96, fast_kernels=fast_kernels)
+    tree = TreeConfig(mode=mode, tree_size=16, top_m=4, top_k=4).resolved(runner.block_size)
+    runner.begin(torch.tensor([5, 6, 7, 8]), tree, SamplingConfig(temperature=temperature, top_p=0.9))
+    chunk, count = torch.zeros(32, dtype=torch.long), runner._chunk_counts[5]
+    with torch.inference_mode(), HostTensorSpy(_device_tensors(runner) + [chunk, count]) as spy:
+        (runner._ar_step if mode == "ar" else runner._round)()
+        runner._prefill(chunk, count)
+    assert spy.host_made == []
+    assert count.data_ptr() == runner._chunk_counts.data_ptr() + 5 * count.element_size()  # a view, no copy
+
+
+def test_compiled_steps_are_exact(load, monkeypatch, tmp_path):
+    """torch.compile wraps the steps from outside; plain decoding (the quickest to compile on a CPU)
+    still equals transformers' greedy output, and a second generation reuses the compiled code."""
+    from conftest import PROMPTS, hf_greedy
+
+    from treeflash_runtime import generate
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[1])["input_ids"]
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=96, compile=True)
+    for _ in range(2):
+        res = generate(runner, ids, TreeConfig(mode="ar"), SamplingConfig(max_new_tokens=24))
+        assert res.token_ids == hf_greedy(pair.verifier, ids, 24)
+    assert (tmp_path / "inductor").is_dir()
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_caches_that_do_not_fit_are_a_one_line_error(load):
+    pair = load("qwen3")
+    with pytest.raises(ConfigError, match=r"need [\d.]+ GiB \(verifier cache .*drafter cache .*\) but only "
+                                          r"[\d.]+ GiB is free on cpu: lower --max-seq-len"):
+        TorchRunner(pair.verifier, pair.drafter, capacity=10**12)
+
+
+# ---------------------------------------------------------------- the real-shape benchmark
+
+
+def test_random_weights_bench_reports_rows_against_floors():
+    import json
+
+    from click.testing import CliRunner
+
+    from treeflash_runtime.bench.cli import main as bench_main
+    from treeflash_runtime.bench.random_weights import format_random_report
+
+    r = CliRunner().invoke(bench_main, ["--random-weights", "tiny", "--prompt-lengths", "16,40", "--tree-sizes",
+                                        "8,16", "--top-m", "4", "--top-k", "4", "--rounds", "2", "--warmup", "1",
+                                        "--tokens-per-round", "2.5", "--fast-kernels", "both", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["bandwidth_gbps"] > 0 and rep["floor_ms"] > 0 and rep["dtype"] == "float32"
+    w = rep["weights_gb"]
+    assert rep["floor_ms"] == pytest.approx(w["verifier"] / rep["bandwidth_gbps"] * 1e3)
+    # Both layer forms side by side (one runner each, over the same weights), each against its own plain step.
+    got = {(x["fast_kernels"], x["prompt_tokens"], x["mode"], x["tree_size"]) for x in rep["rows"]}
+    want = {(k, p, m, n) for k in (True, False) for p in (16, 40) for m, n in
+            [("ar", 1), ("chain", 8), ("marginal", 8), ("marginal", 16), ("treeflash", 8), ("treeflash", 16)]}
+    assert got == want and len(rep["rows"]) == len(want)
+    assert set(rep["startup_s"]["capture_graphs"]) == set(rep["startup_s"]["runner"]) == {"fast kernels", "torch ops"}
+    assert all(x["capture_s"] >= 0 for x in rep["rows"])
+    by = {(x["fast_kernels"], x["prompt_tokens"], x["mode"], x["tree_size"]): x for x in rep["rows"]}
+    for (k, p, mode, n), x in by.items():
+        assert x["ms_per_round"] > 0 and x["ratio_to_floor"] == pytest.approx(x["ms_per_round"] / x["floor_ms"])
+        ar = by[k, p, "ar", 1]["ms_per_round"]
+        assert x["ratio_to_ar"] == pytest.approx(x["ms_per_round"] / ar)
+        if mode != "ar":
+            assert x["implied_speedup"] == pytest.approx(2.5 * ar / x["ms_per_round"])
+            assert x["floor_ms"] > rep["floor_ms"] and set(x["stages_ms"]) == {"draft", "expand", "tree", "verify",
+                                                                               "accept"}
+            assert x["stages_how"] == "eager, synchronised"  # no CUDA graphs on CPU
+        assert x["ratio_to_shortest_prompt"] == pytest.approx(x["ms_per_round"] / by[k, 16, mode, n]["ms_per_round"])
+    # The head is read in TreeFlash mode only.
+    assert by[True, 16, "treeflash", 8]["floor_ms"] > by[True, 16, "marginal", 8]["floor_ms"]
+    assert "kernels " in format_random_report(rep) and "torch " in format_random_report(rep)
+    r = CliRunner().invoke(bench_main, ["--random-weights", "tiny", "--rounds", "0"])
+    assert r.exit_code == 2 and "--rounds must be >= 1" in r.output
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_attention_kernels_compile_for_hopper(dtype):
+    """Both kernels compile for sm_90 at Qwen3-8B's heads with no GPU present."""
+    import math
+
+    from conftest import compile_for_hopper
+
+    plan = ta.launch_plan(64, 32, 8, 8192, 128)
+    T = "*" + dtype
+    sig = dict(q_ptr=T, k_ptr=T, v_ptr=T, len_ptr="*i64", mask_ptr="*i1", o_ptr="*fp32", m_ptr="*fp32",
+               l_ptr="*fp32", n="i32", G="i32", stride_kh="i32", stride_ks="i32", split_len="i32")
+    consts = dict(SM_SCALE=1 / math.sqrt(128), PRECISION="ieee" if dtype == "fp32" else "tf32", HEAD_DIM=128,
+                  BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"])
+    merge = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=T, n="i32", G="i32", rows_per_split="i32")
+    out = compile_for_hopper("treeflash_kernels.tree_attention", [
+        ("tree_attention_kernel", sig, consts, 4),
+        ("merge_splits_kernel", merge, dict(SPLITS=plan["splits"], HEAD_DIM=128), 1)])
+    assert set(out) == {"tree_attention_kernel", "merge_splits_kernel"}
+    assert all(k["sm90"] and k["shared"] <= 227 * 1024 for k in out.values()), out
+
+
+def test_random_bench_keeps_one_path_when_the_other_fails(monkeypatch):
+    """Comparing both paths, a kernel failing on a new device must not lose the other path's rows."""
+    import treeflash_runtime.backends.torch_backend as tb
+    from treeflash_runtime.bench.random_weights import format_random_report, run_random_bench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tree kernel failed")
+
+    monkeypatch.setattr(tb, "build_tree_fast", broken)
+    kw = dict(modes=["treeflash"], tree_sizes=[8], prompt_lengths=[16], rounds=1, warmup=0, top_m=2, top_k=2,
+              tokens_per_round=2.0, device="cpu", dtype="auto", cuda_graphs=True, stages=False)
+    rep = run_random_bench("tiny", fast_kernels=(True, False), **kw)
+    assert rep["failed"] == {"fast kernels": "RuntimeError: tree kernel failed"}
+    assert {(r["fast_kernels"], r["mode"]) for r in rep["rows"]} == {(True, "ar"), (False, "ar"), (False, "treeflash")}
+    assert "FAILED (fast kernels): RuntimeError: tree kernel failed" in format_random_report(rep)
+    with pytest.raises(RuntimeError, match="tree kernel failed"):  # one path alone: the error itself
+        run_random_bench("tiny", fast_kernels=(True,), **kw)
