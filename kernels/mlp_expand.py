@@ -27,6 +27,7 @@ All accumulation is float32.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -92,6 +93,31 @@ def interpreting() -> bool:
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_interpreted_on_cpu = False  # set by interpreted_on_cpu(): tests run whole generations through the kernels
+
+
+def runs_triton(x) -> bool:
+    """Whether the dispatchers take the Triton kernels for tensor x: on CUDA with triton installed,
+    or on the CPU inside interpreted_on_cpu() (Triton's interpreter; test-sized models only)."""
+    return triton is not None and (x.is_cuda or (_interpreted_on_cpu and x.device.type == "cpu"))
+
+
+@contextlib.contextmanager
+def interpreted_on_cpu():
+    """Within: CPU tensors go through the Triton kernels too, in Triton's interpreter (which must be
+    on: TRITON_INTERPRET=1), so a CPU test can run a generation through every kernel. About 10^4
+    times slower than PyTorch: tiny models and a few tokens."""
+    global _interpreted_on_cpu
+    if triton is None or not interpreting():
+        raise RuntimeError("interpreted_on_cpu needs triton with TRITON_INTERPRET=1")
+    _interpreted_on_cpu = True
+    try:
+        yield
+    finally:
+        _interpreted_on_cpu = False
+
 
 if triton is not None:
 

@@ -3,7 +3,8 @@
 ops ``add_rms_norm``, ``qk_norm_rope`` and ``silu_mul`` (treeflash_kernels.layer_ops), and
 ``topk_logprobs`` (the expansion's last step, treeflash_kernels.topk_logprobs).
 
-On CUDA (with triton installed) it runs the Triton kernels; elsewhere the plain
+On CUDA (with triton installed), or on CPU tensors inside mlp_expand.interpreted_on_cpu(), it runs
+the Triton kernels; elsewhere the plain
 PyTorch reference. Its fake (meta) implementation gives shapes to tracing, so the
 ONNX exporter sees one node, which treeflash_plugins translates into a single
 ``treeflash.MlpExpand`` node (the ``plugin`` graph variant).
@@ -16,7 +17,7 @@ import torch
 from . import layer_ops as lo
 from . import topk_logprobs as tk
 from . import tree_attention as ta
-from .mlp_expand import check_shapes, mlp_expand_reference, mlp_expand_triton, triton
+from .mlp_expand import check_shapes, mlp_expand_reference, mlp_expand_triton, runs_triton
 
 OP_NAME = "treeflash::mlp_expand"
 
@@ -28,7 +29,7 @@ def mlp_expand(z: torch.Tensor, parent_ids: torch.Tensor, embed_weight: torch.Te
     """z [B, H] pre-norm drafter states, parent_ids [B-1, M] (row 0 = the root) -> [B-1, M, H]
     normalised states whose LM-head logits are the conditional logits."""
     args = (z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weight, norm_weight)
-    if z.is_cuda and triton is not None:
+    if runs_triton(z):
         # The GEMMs through cuBLAS: measured on the H100 at Qwen3-8B's shapes (treeflash-kernel-bench),
         # Triton + cuBLAS 0.341 ms against 0.367 ms for the Triton GEMMs (DESIGN.md section 6).
         return mlp_expand_triton(*args, head_eps, norm_eps, gemm="torch")
@@ -47,7 +48,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """q [Hq, n, D] over cache slots < past_len plus the n new nodes (already in slots past_len..)
     under tree_mask -> [n, Hq * D]. On CUDA (with triton) the kernel, which reads only up to
     past_len + n; elsewhere the reference, which reads up to key_bound (0 = the whole cache)."""
-    if q.is_cuda and ta.triton is not None:
+    if runs_triton(q):
         return ta.tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask)
     return ta.tree_attention_reference(q, k_cache, v_cache, past_len, tree_mask, key_bound)
 
@@ -62,7 +63,7 @@ def _(q, k_cache, v_cache, past_len, tree_mask, key_bound=0):
 
 
 def _triton_on(x: torch.Tensor) -> bool:
-    return x.is_cuda and lo.triton is not None
+    return runs_triton(x)
 
 
 @torch.library.custom_op("treeflash::add_rms_norm", mutates_args=())

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .mlp_expand import _pow2
+from .mlp_expand import _pow2, runs_triton
 
 try:
     import triton
@@ -160,6 +160,6 @@ def topk_logprobs_triton(logits: torch.Tensor, k: int, temperature: float,
 
 def topk_logprobs_fast(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels on CUDA where they fit, else the reference."""
-    if logits.is_cuda and triton is not None and kernel_fits(logits.shape[-1], k):
+    if runs_triton(logits) and kernel_fits(logits.shape[-1], k):
         return topk_logprobs_triton(logits, k, temperature)
     return topk_logprobs_reference(logits, k, temperature)

@@ -68,9 +68,10 @@ def build_tree_fast(tables: Tables, root: torch.Tensor, tree_size: int) -> Tree:
     """The tree-build kernel (treeflash_kernels.build_tree) on CUDA where it fits, else the tree
     algebra's build_tree: the same tree either way."""
     from treeflash_kernels import build_tree as bt
+    from treeflash_kernels.mlp_expand import runs_triton
 
     D, _, K = tables.tokens.shape
-    if tables.tokens.is_cuda and bt.triton is not None and bt.kernel_fits(D, K, tree_size):
+    if runs_triton(tables.tokens) and bt.kernel_fits(D, K, tree_size):
         return Tree(*bt.build_tree_triton(tables, root, tree_size))
     return build_tree(tables, root, tree_size)
 
@@ -355,7 +356,7 @@ class TorchRunner(Runner):
         self._marks = []
         try:
             step = self._ar_step if self.tree.mode == "ar" else self._round
-            graph = _Captured(step, (), self._pool, self.generator, restore)
+            graph = self._capture(step, (), restore)
             totals = dict.fromkeys((name for name, _, _ in self._marks), 0.0)
             for _ in range(count):
                 restore()
@@ -367,6 +368,13 @@ class TorchRunner(Runner):
             self._marks = None
             restore()
         return {name: ms / count for name, ms in totals.items()}
+
+    def _capture(self, fn, args, reset) -> _Captured:
+        """fn(*args) as a replayable graph in this runner's memory pool. (The CPU tests put an eager
+        stand-in here, so that the functions and arguments CUDA captures run, and are checked, on CPU.)"""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return _Captured(fn, args, self._pool, self.generator, reset)
 
     @staticmethod
     def _graph_key(tree: TreeConfig, sampling: SamplingConfig) -> tuple:
@@ -381,8 +389,7 @@ class TorchRunner(Runner):
             return
         t0 = time.perf_counter()
         dev = self.device
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+
         def scratch_round():
             self._reset_state()
             self.state.past_len.fill_(1)  # a round needs a root and a committed position
@@ -391,10 +398,10 @@ class TorchRunner(Runner):
             if k[0] == "prefill":
                 args = (torch.zeros(PREFILL_CHUNK, dtype=torch.long, device=dev),
                         torch.tensor(PREFILL_CHUNK, device=dev))
-                self._graphs[k] = _Captured(self._prefill, args, self._pool, self.generator, self._reset_state)
+                self._graphs[k] = self._capture(self._prefill, args, self._reset_state)
             else:
                 step = self._ar_step if tree.mode == "ar" else self._round
-                self._graphs[k] = _Captured(step, (), self._pool, self.generator, scratch_round)
+                self._graphs[k] = self._capture(step, (), scratch_round)
         what = "plain decoding" if tree.mode == "ar" else f"{tree.mode} N={tree.tree_size}"
         self.log(f"captured CUDA graphs ({', '.join('prefill' if k[0] == 'prefill' else what for k in todo)}) "
                  f"in {time.perf_counter() - t0:.1f}s")

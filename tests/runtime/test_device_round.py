@@ -187,6 +187,80 @@ def test_round_reads_no_host_value(load, mode, temperature, fast_kernels):
         runner._prefill(torch.zeros(32, dtype=torch.long), unknown_count)  # int(count) would raise
 
 
+class EagerReplay:
+    """The captured graph's contract (static copies of the arguments; a call copies new ones in and
+    runs), run eagerly: the CUDA form's functions, arguments and padding, on the CPU."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, [a.clone() for a in args]
+
+    def __call__(self, *args):
+        for dst, src in zip(self.args, args):
+            dst.copy_(src)
+        self.fn(*self.args)
+
+
+@pytest.mark.parametrize("fast_kernels", [False, True], ids=["torch-ops", "fast-kernels"])
+@pytest.mark.parametrize("mode", ["treeflash", "marginal", "chain", "ar"])
+def test_the_graph_form_run_eagerly_is_exact(load, mode, fast_kernels):
+    """What CUDA replays differs from the eager path the other exactness tests run: rounds attend over
+    the whole static cache (bound 0, masked by the device length) and the prompt goes in padded
+    chunks of 256 (here one chunk, and two with a short last one). Greedy output still equals
+    transformers' own."""
+    from conftest import PROMPTS, hf_greedy
+
+    from treeflash_runtime import generate
+    from treeflash_runtime.backends.torch_backend import PREFILL_CHUNK
+
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=384, fast_kernels=fast_kernels)
+    runner.use_graphs = True
+    runner._capture = lambda fn, args, reset: EagerReplay(fn, args)
+    short = pair.tokenizer(PROMPTS[0])["input_ids"]
+    long = pair.tokenizer(PROMPTS[2] * 40)["input_ids"][: PREFILL_CHUNK + 44]
+    assert len(long) == PREFILL_CHUNK + 44
+    for ids in (short, long):
+        res = generate(runner, ids, TreeConfig(mode=mode, tree_size=16, top_m=4, top_k=4),
+                       SamplingConfig(max_new_tokens=24))
+        assert res.token_ids == hf_greedy(pair.verifier, ids, 24), len(ids)
+    assert set(runner._graphs) >= {("prefill", 0.0, 1.0)}  # the captured path really ran
+
+
+@pytest.mark.skipif(ta.triton is None, reason="triton is not installed (pip install triton)")
+def test_a_generation_through_every_triton_kernel_is_exact(load, monkeypatch):
+    """On the CPU every custom op otherwise runs its PyTorch reference: here the layer kernels, tree
+    attention, the MLP expansion, the top-k kernels and the tree build all run (in Triton's
+    interpreter, so a TreeFlash generation of a few tokens), and the greedy output still equals
+    transformers' own."""
+    from conftest import PROMPTS, hf_greedy
+
+    from treeflash_kernels import mlp_expand
+    from treeflash_runtime import generate
+
+    if not mlp_expand.interpreting():
+        pytest.skip("runs the kernels in Triton's interpreter (TRITON_INTERPRET=1), which a GPU machine does not set")
+    from treeflash_kernels import build_tree, layer_ops, ops, topk_logprobs
+
+    launched = set()
+    for module, name in [(layer_ops, "add_rms_norm_triton"), (layer_ops, "qk_norm_rope_triton"),
+                         (layer_ops, "silu_mul_triton"), (ta, "tree_attention_triton"), (ops, "mlp_expand_triton"),
+                         (topk_logprobs, "topk_logprobs_triton"), (build_tree, "build_tree_triton")]:
+        def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
+            launched.add(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=48, fast_kernels=True)
+    ids = pair.tokenizer(PROMPTS[1])["input_ids"]
+    with mlp_expand.interpreted_on_cpu():
+        assert mlp_expand.runs_triton(torch.zeros(1))
+        res = generate(runner, ids, TreeConfig(mode="treeflash", tree_size=8, top_m=2, top_k=2),
+                       SamplingConfig(max_new_tokens=4))
+    assert not mlp_expand.runs_triton(torch.zeros(1))  # off again outside
+    assert res.token_ids == hf_greedy(pair.verifier, ids, 4)
+    assert len(launched) == 7, launched  # every kernel took part
+
+
 class HostTensorSpy(TorchDispatchMode):
     """Records every tensor that enters an operator without being device state (given) or an
     earlier operator's output: on a GPU such a tensor was made on the host and copied over, which
