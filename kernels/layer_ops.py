@@ -80,6 +80,14 @@ except ImportError:  # the references still work; the kernels need `pip install 
 if triton is not None:
 
     @triton.jit
+    def _rstd(sum_sq, width, EPS: tl.constexpr):
+        """1 / sqrt(sum_sq / width + eps), each step correctly rounded: compiled Triton's `/` and
+        `rsqrt` are approximate in float32 (the interpreter's NumPy is not), and these kernels feed
+        the verifier's logits, whose argmax is the greedy output. One scalar per row: no cost."""
+        mean = tl.math.div_rn(sum_sq, tl.cast(width, tl.float32))
+        return tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.math.sqrt_rn(mean + EPS))
+
+    @triton.jit
     def add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, H, s_ptr, h_ptr, EPS: tl.constexpr, HAS_DELTA: tl.constexpr,
                             BLOCK_H: tl.constexpr):
         """One program per row: s = x + d (rounded, stored when HAS_DELTA), h = norm(s) * w."""
@@ -93,7 +101,7 @@ if triton is not None:
             s = s.to(dt)
             tl.store(s_ptr + r * H + cols, s, mask=ok)
             s = s.to(tl.float32)
-        y = (s * tl.rsqrt(tl.sum(s * s, axis=0) / H + EPS)).to(dt).to(tl.float32)
+        y = (s * _rstd(tl.sum(s * s, axis=0), H, EPS)).to(dt).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(h_ptr + r * H + cols, (y * w).to(dt), mask=ok)
 
@@ -102,7 +110,7 @@ if triton is not None:
                        HEAD_DIM: tl.constexpr, dt: tl.constexpr):
         """One head's row x (float32) and its half-rotated copy xr -> normed, rotated (float32)."""
         if HAS_NORM:
-            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + EPS)
+            rstd = _rstd(tl.sum(x * x, axis=0), HEAD_DIM, EPS)
             x = ((x * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + dims).to(tl.float32)).to(dt).to(tl.float32)
             xr = ((xr * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + perm).to(tl.float32)).to(dt).to(tl.float32)
         sign = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)

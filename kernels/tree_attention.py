@@ -73,7 +73,7 @@ if triton is not None:
 
     @triton.jit
     def tree_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
-                              n, G, stride_kh, stride_ks, split_len,
+                              n, G, stride_kh, stride_ks,
                               SM_SCALE: tl.constexpr, PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """One program: BLOCK_M rows of one K/V head's group (row = head-in-group * n + node) over
@@ -92,6 +92,9 @@ if triton is not None:
 
         past = tl.load(len_ptr)
         total = past + n
+        # The keys 0..P+n-1 are shared out among the launch's splits from the length on the device
+        # (whole BLOCK_N tiles each): every split has work at any P, and the launch stays static.
+        split_len = tl.cdiv(tl.cdiv(total, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         start = split * split_len
         stop = tl.minimum(start + split_len, total)
         k_base = k_ptr + kvh.to(tl.int64) * stride_kh
@@ -146,14 +149,16 @@ if triton is not None:
         head = r // n
         node = r % n
         dst = out_ptr + (node.to(tl.int64) * (tl.num_programs(0) // n) + head) * HEAD_DIM + dims
-        tl.store(dst, (num / den).to(out_ptr.dtype.element_ty))
+        tl.store(dst, tl.math.div_rn(num, den).to(out_ptr.dtype.element_ty))  # correctly rounded, as PyTorch's
 
 
 def launch_plan(n: int, heads: int, kv_heads: int, capacity: int, head_dim: int, *, splits: int = 0,
                 target_programs: int = 264) -> dict:
     """Static launch parameters for one (n, heads, capacity) shape: they never depend on P, so a
     captured CUDA graph replays the same launch for any cache length. splits = 0 picks enough key
-    splits for about target_programs programs (two per SM on an H100); empty splits exit at once."""
+    splits for about target_programs programs (two per SM on an H100). The kernel divides the
+    current P + n keys among them (whole BLOCK_N tiles), so all are busy once P + n reaches
+    splits x BLOCK_N; split_len is the most one split can get (at P + n = capacity)."""
     G = heads // kv_heads
     block_m = min(max(16, _pow2(G * n)), 64)
     block_n = 64 if head_dim <= 64 else 32
@@ -166,8 +171,9 @@ def launch_plan(n: int, heads: int, kv_heads: int, capacity: int, head_dim: int,
     return dict(G=G, block_m=block_m, block_n=block_n, row_blocks=row_blocks, splits=splits, split_len=split_len)
 
 
-def tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0) -> torch.Tensor:
-    """The kernel, then the log-sum-exp merge of its key splits (fixed shapes: graph-capturable)."""
+def split_partials(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0):
+    """The first kernel alone: per key split, the unnormalised output o [T, Hkv, G * n, D], the
+    running max m and sum l [T, Hkv, G * n] (float32; m = -inf in a split that saw no key), and the plan."""
     if triton is None:
         raise RuntimeError("the tree-attention kernel needs triton: pip install triton")
     _check(q, k_cache, v_cache, tree_mask)
@@ -183,10 +189,18 @@ def tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask, *, splits: i
     grid = (plan["row_blocks"], Hkv, T)
     tree_attention_kernel[grid](
         q.contiguous(), k_cache, v_cache, past_len.reshape(1), tree_mask.contiguous(), o, m, l_sum,
-        n, G, k_cache.stride(0), k_cache.stride(1), plan["split_len"],
+        n, G, k_cache.stride(0), k_cache.stride(1),
         SM_SCALE=1.0 / math.sqrt(D), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=D,
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], num_warps=4, num_stages=2,
     )
+    return o, m, l_sum, plan
+
+
+def tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0) -> torch.Tensor:
+    """The kernel, then the log-sum-exp merge of its key splits (fixed shapes: graph-capturable)."""
+    o, m, l_sum, plan = split_partials(q, k_cache, v_cache, past_len, tree_mask, splits=splits)
+    Hq, n, D = q.shape
+    G, T, Hkv = plan["G"], plan["splits"], k_cache.shape[0]
     # Every row sees at least itself, so some split has a finite max and the merge is well defined.
     out = torch.empty(n, Hq * D, device=q.device, dtype=q.dtype)
     merge_splits_kernel[(Hq * n,)](o, m, l_sum, out, n, G, Hkv * G * n, SPLITS=T, HEAD_DIM=D, num_warps=1)

@@ -86,6 +86,18 @@ def test_launch_plan_is_static_and_covers_the_cache():
     assert plan["row_blocks"] * 8 * plan["splits"] >= 256
 
 
+@pytest.mark.skipif(ta.triton is None, reason="triton is not installed (pip install triton)")
+def test_key_splits_share_the_current_length_not_the_capacity():
+    """A short prompt in a long cache: the P + n keys are divided among all the launch's splits (each
+    sees keys, so has a finite max), not the capacity (which left 4 of these 8 splits idle)."""
+    q, k, v, past, mask = attention_problem(4, 2, 4, 1024, 16, 508)  # P + n = 512 keys, S = 1024 slots
+    o, m, l_sum, plan = ta.split_partials(q, k, v, past, mask, splits=8)
+    assert plan["splits"] == 8 and plan["block_n"] == 64
+    assert bool(m.isfinite().all()), [bool(m[t].isfinite().any()) for t in range(8)]
+    assert (ta.tree_attention_triton(q, k, v, past, mask, splits=8)
+            - ta.tree_attention_reference(q, k, v, past, mask)).abs().max() < 1e-5
+
+
 def test_custom_op_fake_and_cpu_path():
     from treeflash_kernels.ops import tree_attention
 
@@ -399,7 +411,7 @@ def test_attention_kernels_compile_for_hopper(dtype):
     plan = ta.launch_plan(64, 32, 8, 8192, 128)
     T = "*" + dtype
     sig = dict(q_ptr=T, k_ptr=T, v_ptr=T, len_ptr="*i64", mask_ptr="*i1", o_ptr="*fp32", m_ptr="*fp32",
-               l_ptr="*fp32", n="i32", G="i32", stride_kh="i32", stride_ks="i32", split_len="i32")
+               l_ptr="*fp32", n="i32", G="i32", stride_kh="i32", stride_ks="i32")
     consts = dict(SM_SCALE=1 / math.sqrt(128), PRECISION="ieee" if dtype == "fp32" else "tf32", HEAD_DIM=128,
                   BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"])
     merge = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=T, n="i32", G="i32", rows_per_split="i32")

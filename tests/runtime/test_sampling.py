@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -74,8 +75,10 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 # ---------------------------------------------------------------- losslessness
 
-V, NEW = 6, 3
+V, NEW = 6, 6  # the block is 4: a round gains at most 4 tokens, so 6 tokens always take two rounds or more
 PROMPT = [1, 2, 3]
+TREE = dict(tree_size=8, top_m=2, top_k=3)
+SAMPLES = 1200
 
 
 def make_small_vocab_pair():
@@ -94,6 +97,37 @@ def small_vocab_pair():
     return make_small_vocab_pair()
 
 
+@pytest.fixture(scope="module")
+def small_vocab_artifacts(small_vocab_pair, pair_dirs, tmp_path_factory):
+    """mode -> the small-vocabulary pair exported for ONNX Runtime (the tiny pair's tokenizer files beside
+    the verifier: the build copies them, generation here never tokenizes)."""
+    import shutil
+
+    from treeflash_export.export.artifact import load_artifact
+    from treeflash_export.export.build import BuildConfig, build
+    from treeflash_export.tiny import save_drafter
+
+    verifier, drafter = small_vocab_pair
+    root = tmp_path_factory.mktemp("small-vocab")
+    verifier.save_pretrained(root / "verifier")
+    for f in (pair_dirs["qwen3"] / "verifier").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy2(f, root / "verifier" / f.name)
+    dcfg = drafter_config(verifier.config, layers=1, block_size=4, mask_token_id=V - 1)
+    save_drafter(root / "drafter", dcfg, drafter.state_dict())
+    made = {}
+
+    def get(mode):
+        if mode not in made:
+            out = build(str(root / "verifier"), str(root / "drafter"), root / mode,
+                        BuildConfig(mode=mode, max_seq_len=32, prefill_chunk=8, **TREE), validate=False,
+                        log=lambda m: None)
+            made[mode] = load_artifact(out)
+        return made[mode]
+
+    return get
+
+
 def _filtered(p: torch.Tensor, top_p: float) -> torch.Tensor:
     """Nucleus filter written independently of the runtime: walk tokens by probability."""
     order = sorted(range(len(p)), key=lambda i: -float(p[i]))
@@ -109,26 +143,53 @@ def _filtered(p: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def exact_distribution(verifier, temperature, top_p):
-    """P(a, b, c) of the first NEW tokens under the verifier's own sequential sampling."""
-    seqs = list(itertools.product(range(V), repeat=NEW))
-    probs = {}
+    """P(t1..tNEW) of the first NEW tokens under the verifier's own sequential sampling: one batched pass over
+    every sequence of NEW - 1 tokens gives each token's conditional distribution."""
+    prefixes = list(itertools.product(range(V), repeat=NEW - 1))
     with torch.no_grad():
-        for s in seqs:
-            logits = verifier(torch.tensor([PROMPT + list(s[:-1])])).logits[0, len(PROMPT) - 1:]
-            pr = 1.0
-            for j, t in enumerate(s):
-                pr *= float(_filtered(torch.softmax(logits[j].double() / temperature, -1), top_p)[t])
-            probs[s] = pr
+        x = torch.tensor([PROMPT + list(s) for s in prefixes])
+        logits = verifier(x, attention_mask=torch.ones_like(x)).logits[:, len(PROMPT) - 1:].double()
+    cond = {}  # (prefix of j tokens) -> filtered distribution of token j + 1
+    for row, s in enumerate(prefixes):
+        for j in range(NEW):
+            if s[:j] not in cond:
+                cond[s[:j]] = _filtered(torch.softmax(logits[row, j] / temperature, -1), top_p)
+    probs = {}
+    for s in prefixes:
+        pr = 1.0
+        for j in range(NEW - 1):
+            pr *= float(cond[s[:j]][s[j]])
+        if pr == 0.0:
+            continue
+        last = cond[s]
+        for t in range(V):
+            if last[t] > 0:
+                probs[s + (t,)] = pr * float(last[t])
     return probs
 
 
-def sample_counts(runner, tree_cfg, temperature, top_p, n):
+@contextlib.contextmanager
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy machine each op's thread barrier waits
+    for a core: the thousands of small generations below run on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def sample_counts(runner, tree_cfg, temperature, top_p, n, rounds=None):
     counts = {}
-    for seed in range(n):
-        res = generate(runner, PROMPT, tree_cfg,
-                       SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=NEW, seed=seed))
-        key = tuple(res.token_ids)
-        counts[key] = counts.get(key, 0) + 1
+    with one_thread():
+        for seed in range(n):
+            res = generate(runner, PROMPT, tree_cfg,
+                           SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=NEW, seed=seed))
+            key = tuple(res.token_ids)
+            counts[key] = counts.get(key, 0) + 1
+            if rounds is not None:
+                rounds.append(res.stats.rounds)
     return counts
 
 
@@ -151,28 +212,49 @@ def gof_pvalue(counts, probs, n):
     return chisquare(obs, exp_t.tolist()).pvalue
 
 
-@pytest.mark.parametrize("mode,temperature,top_p", [
-    ("treeflash", 1.0, 1.0),
-    ("treeflash", 0.7, 0.8),
-    ("marginal", 1.0, 0.9),
-])
-def test_speculative_sampling_matches_verifier_distribution(small_vocab_pair, mode, temperature, top_p):
-    verifier, drafter = small_vocab_pair
-    n = 1200
-    runner = TorchRunner(verifier, drafter, capacity=32)
-    tree_cfg = TreeConfig(mode=mode, tree_size=8, top_m=2, top_k=3)
-    counts = sample_counts(runner, tree_cfg, temperature, top_p, n)
+def _runner(backend, mode, small_vocab_pair, small_vocab_artifacts):
+    if backend == "torch":
+        return TorchRunner(*small_vocab_pair, capacity=32)
+    from treeflash_runtime.backends.onnxruntime_backend import OnnxRuntimeRunner
+
+    return OnnxRuntimeRunner(small_vocab_artifacts(mode))
+
+
+SAMPLING_CASES = [
+    # (backend, mode, temperature, top_p): every mode on both backends, top-p 1 and < 1 on each
+    ("torch", "treeflash", 1.0, 1.0),
+    ("torch", "treeflash", 0.7, 0.8),
+    ("torch", "marginal", 1.0, 0.9),
+    ("torch", "chain", 1.0, 1.0),
+    ("torch", "chain", 0.8, 0.7),
+    ("onnxruntime", "treeflash", 1.0, 1.0),
+    ("onnxruntime", "treeflash", 0.7, 0.8),
+    ("onnxruntime", "marginal", 1.0, 1.0),
+    ("onnxruntime", "chain", 1.0, 0.9),
+]
+
+
+@pytest.mark.parametrize("backend,mode,temperature,top_p", SAMPLING_CASES)
+def test_speculative_sampling_matches_verifier_distribution(small_vocab_pair, small_vocab_artifacts, backend, mode,
+                                                            temperature, top_p):
+    """The joint distribution of the first NEW tokens (prefill's token and two rounds or more) equals the
+    verifier's own, exactly enumerated."""
+    verifier, _ = small_vocab_pair
+    runner = _runner(backend, mode, small_vocab_pair, small_vocab_artifacts)
+    rounds = []
+    counts = sample_counts(runner, TreeConfig(mode=mode, **TREE), temperature, top_p, SAMPLES, rounds)
+    assert min(rounds) >= 2 and sum(counts.values()) == SAMPLES
     probs = exact_distribution(verifier, temperature, top_p)
-    assert gof_pvalue(counts, probs, n) > ALPHA
+    assert sum(probs.values()) == pytest.approx(1.0)
+    assert gof_pvalue(counts, probs, SAMPLES) > ALPHA
 
 
 def test_goodness_of_fit_detects_a_wrong_distribution(small_vocab_pair):
     """Power check: samples at temperature 0.6 are rejected against the temperature-1 distribution."""
     verifier, drafter = small_vocab_pair
-    n = 1200
     runner = TorchRunner(verifier, drafter, capacity=32)
-    counts = sample_counts(runner, TreeConfig(mode="ar"), 0.6, 1.0, n)
-    assert gof_pvalue(counts, exact_distribution(verifier, 1.0, 1.0), n) < ALPHA
+    counts = sample_counts(runner, TreeConfig(mode="ar"), 0.6, 1.0, SAMPLES)
+    assert gof_pvalue(counts, exact_distribution(verifier, 1.0, 1.0), SAMPLES) < ALPHA
 
 
 def test_trees_accept_several_tokens_when_sampling(small_vocab_pair):
@@ -184,13 +266,20 @@ def test_trees_accept_several_tokens_when_sampling(small_vocab_pair):
     assert max(res.stats.accept_lengths) >= 3 and res.stats.mean_accepted > 1.3
 
 
-def test_seed_reproduces_output(small_vocab_pair):
-    verifier, drafter = small_vocab_pair
-    runner = TorchRunner(verifier, drafter, capacity=64)
-    cfg = TreeConfig(mode="treeflash", tree_size=8, top_m=2, top_k=3)
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("mode,top_p", [("treeflash", 1.0), ("marginal", 0.9), ("chain", 0.8)])
+def test_seed_reproduces_output(small_vocab_pair, small_vocab_artifacts, backend, mode, top_p):
+    """The same seed gives the same tokens on the same backend (20 tokens, several rounds), also after
+    other generations ran in between; other seeds give other tokens."""
+    runner = _runner(backend, mode, small_vocab_pair, small_vocab_artifacts)
+    cfg = TreeConfig(mode=mode, **TREE)
 
     def run(seed):
-        return generate(runner, PROMPT, cfg, SamplingConfig(temperature=1.0, max_new_tokens=30, seed=seed)).token_ids
+        with one_thread():
+            return generate(runner, PROMPT, cfg, SamplingConfig(temperature=1.0, top_p=top_p, max_new_tokens=20,
+                                                                seed=seed)).token_ids
 
-    assert run(4) == run(4)
-    assert len({tuple(run(s)) for s in range(5)}) > 1
+    first = run(4)
+    others = {tuple(run(s)) for s in range(5, 10)}
+    assert len(first) == 20 and run(4) == first
+    assert len(others | {tuple(first)}) > 2
