@@ -46,8 +46,10 @@ def _(z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weigh
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len: torch.Tensor,
                    tree_mask: torch.Tensor, key_bound: int = 0) -> torch.Tensor:
     """q [Hq, n, D] over cache slots < past_len plus the n new nodes (already in slots past_len..)
-    under tree_mask -> [n, Hq * D]. On CUDA (with triton) the kernel, which reads only up to
-    past_len + n; elsewhere the reference, which reads up to key_bound (0 = the whole cache)."""
+    under tree_mask -> [n, Hq * D]; batched, q [M, Hq, n, D] over caches [M, Hkv, S, D] with
+    past_len [M] and tree_mask [M, n, n] -> [M, n, Hq * D]. On CUDA (with triton) the kernel, which
+    reads only up to past_len + n; elsewhere the reference, which reads up to key_bound (0 = the
+    whole cache)."""
     if runs_triton(q):
         return ta.tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask)
     return ta.tree_attention_reference(q, k_cache, v_cache, past_len, tree_mask, key_bound)
@@ -56,7 +58,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 @tree_attention.register_fake
 def _(q, k_cache, v_cache, past_len, tree_mask, key_bound=0):
     ta._check(q, k_cache, v_cache, tree_mask)
-    return q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
+    Hq, n, D = q.shape[-3:]
+    return q.new_empty(*q.shape[:-3], n, Hq * D)
 
 
 # The decoder layer's elementwise work (treeflash_kernels.layer_ops): the runtime's fast path.

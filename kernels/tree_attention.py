@@ -14,6 +14,11 @@ Shapes: q [Hq, n, D]; k_cache, v_cache [Hkv, S, D] (one layer of the runtime's
 [L, 2, Hkv, S, D] caches, a view); past_len 0-d or [1] int64; tree_mask [n, n] bool;
 output [n, Hq * D] (heads side by side, ready for o_proj).
 
+Batched (slots of a serving batch, each with its own cache and length): q [M, Hq, n, D];
+k_cache, v_cache [M, Hkv, S, D] (any strides but a contiguous head dim: views of a cache whose
+slot ranges share one sequence axis are fine); past_len [M]; tree_mask [M, n, n]; output
+[M, n, Hq * D]. Slot m reads only its own cache, up to its own P_m + n.
+
 The kernel reads the cache only up to P + n, whatever S is, and maps grouped-query
 heads onto their shared K/V head (the G = Hq / Hkv query heads of a group are rows of
 one tile, so each K/V tile is loaded once per group, never repeated in memory). The
@@ -32,35 +37,46 @@ from .mlp_expand import _pow2
 
 
 def _check(q, k_cache, v_cache, tree_mask):
-    Hq, n, D = q.shape
-    Hkv, S, Dk = k_cache.shape
-    if Dk != D or v_cache.shape != k_cache.shape or Hq % Hkv:
+    """The shapes of one call, single ([Hq, n, D]) or batched ([M, Hq, n, D]) alike."""
+    lead = q.shape[:-3]
+    Hq, n, D = q.shape[-3:]
+    Hkv, S, Dk = k_cache.shape[-3:]
+    if (Dk != D or v_cache.shape != k_cache.shape or Hq % Hkv or k_cache.shape[:-3] != lead
+            or q.dim() not in (3, 4)):
         raise ValueError(f"tree_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
-                         f"{tuple(v_cache.shape)} (heads must be a multiple of the K/V heads, head dims equal)")
-    if tree_mask.shape != (n, n):
-        raise ValueError(f"tree_attention: tree_mask must be [{n}, {n}], got {tuple(tree_mask.shape)}")
+                         f"{tuple(v_cache.shape)} (heads must be a multiple of the K/V heads, head dims and "
+                         f"slots equal)")
+    if tree_mask.shape != (*lead, n, n):
+        raise ValueError(f"tree_attention: tree_mask must be {[*lead, n, n]}, got {list(tree_mask.shape)}")
 
 
 def visible_keys(past_len: torch.Tensor, tree_mask: torch.Tensor, bound: int) -> torch.Tensor:
-    """[n, bound] bool: which of cache slots 0..bound-1 each of the n new nodes sees."""
-    n = tree_mask.shape[0]
+    """[n, bound] bool (batched: past_len [M], tree_mask [M, n, n] -> [M, n, bound]): which of
+    cache slots 0..bound-1 each of the n new nodes sees."""
+    if tree_mask.dim() == 2:
+        return visible_keys(past_len.reshape(1), tree_mask[None], bound)[0]
+    M, n = tree_mask.shape[:2]
     cols = torch.arange(bound, device=tree_mask.device)
-    rel = cols - past_len.reshape(())
+    rel = cols[None, :] - past_len.reshape(M, 1)  # [M, bound]
     in_tree = (rel >= 0) & (rel < n)
-    return (rel < 0)[None, :] | (tree_mask[:, rel.clamp(0, n - 1)] & in_tree[None, :])
+    tree_cols = torch.gather(tree_mask, 2, rel.clamp(0, n - 1)[:, None, :].expand(M, n, bound))
+    return (rel < 0)[:, None, :] | (tree_cols & in_tree[:, None, :])
 
 
 def tree_attention_reference(q, k_cache, v_cache, past_len, tree_mask, key_bound: int = 0) -> torch.Tensor:
     """The definition, in plain PyTorch (SDPA with a boolean mask, grouped-query heads native).
 
-    key_bound: a static upper bound on P + n known to the caller (0 = the capacity S); slots
+    key_bound: a static upper bound on every P + n known to the caller (0 = the capacity S); slots
     past it are not even looked at. It changes the cost, and the rounding only: the keys seen are the same."""
     _check(q, k_cache, v_cache, tree_mask)
-    bound = key_bound or k_cache.shape[1]
+    if q.dim() == 3:
+        return tree_attention_reference(q[None], k_cache[None], v_cache[None], past_len.reshape(1), tree_mask[None],
+                                        key_bound)[0]
+    bound = key_bound or k_cache.shape[2]
     mask = visible_keys(past_len, tree_mask, bound)
-    out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :bound], v_cache[None, :, :bound],
-                                         attn_mask=mask[None, None], enable_gqa=True)[0]
-    return out.transpose(0, 1).flatten(1)
+    out = F.scaled_dot_product_attention(q, k_cache[:, :, :bound], v_cache[:, :, :bound], attn_mask=mask[:, None],
+                                         enable_gqa=True)
+    return out.transpose(1, 2).flatten(2)
 
 
 try:
@@ -73,32 +89,36 @@ if triton is not None:
 
     @triton.jit
     def tree_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
-                              n, G, stride_kh, stride_ks,
+                              n, G, Hkv, stride_km, stride_kh, stride_ks,
                               SM_SCALE: tl.constexpr, PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One program: BLOCK_M rows of one K/V head's group (row = head-in-group * n + node) over
-        one split of the keys. Writes the split's unnormalised output and its running max / sum
-        (float32) for the merge step. q is [Hq, n, D] contiguous; K/V rows are HEAD_DIM contiguous."""
-        kvh = tl.program_id(1)
+        """One program: BLOCK_M rows of one slot's K/V head group (row = head-in-group * n + node)
+        over one split of that slot's keys. Writes the split's unnormalised output and its running
+        max / sum (float32) for the merge step. q is [M, Hq, n, D] contiguous; K/V rows are
+        HEAD_DIM contiguous; program_id(1) = slot * Hkv + K/V head."""
+        pair = tl.program_id(1)
+        slot = pair // Hkv
+        kvh = pair % Hkv
         split = tl.program_id(2)
-        num_kv = tl.num_programs(1)
+        num_pairs = tl.num_programs(1)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < G * n
-        head = kvh * G + rows // n
+        head = pair * G + rows // n  # slot * Hq + the head within the slot
         node = rows % n
         dims = tl.arange(0, HEAD_DIM)
         q_off = (head.to(tl.int64) * n + node)[:, None] * HEAD_DIM + dims[None, :]
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+        mask_ptr += slot.to(tl.int64) * n * n
 
-        past = tl.load(len_ptr)
+        past = tl.load(len_ptr + slot)
         total = past + n
         # The keys 0..P+n-1 are shared out among the launch's splits from the length on the device
         # (whole BLOCK_N tiles each): every split has work at any P, and the launch stays static.
         split_len = tl.cdiv(tl.cdiv(total, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         start = split * split_len
         stop = tl.minimum(start + split_len, total)
-        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-        v_base = v_ptr + kvh.to(tl.int64) * stride_kh
+        k_base = k_ptr + slot.to(tl.int64) * stride_km + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + slot.to(tl.int64) * stride_km + kvh.to(tl.int64) * stride_kh
 
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -124,17 +144,17 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 
-        part = (split * num_kv + kvh).to(tl.int64) * G * n + rows  # [splits, Hkv, G * n] row index
+        part = (split * num_pairs + pair).to(tl.int64) * G * n + rows  # [splits, M * Hkv, G * n] row index
         tl.store(o_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(l_ptr + part, l_i, mask=row_ok)
 
     @triton.jit
-    def merge_splits_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n, G, rows_per_split, SPLITS: tl.constexpr,
+    def merge_splits_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n, G, Hq, rows_per_split, SPLITS: tl.constexpr,
                             HEAD_DIM: tl.constexpr):
-        """One program per (K/V head, row): the splits' partial outputs weighted by exp(m - max),
-        normalised, cast, and stored at out[node, head * D:] ([n, Hq * D])."""
-        r = tl.program_id(0)  # = kvh * G * n + g * n + node, i.e. head * n + node
+        """One program per (slot, head, node) row: the splits' partial outputs weighted by
+        exp(m - max), normalised, cast, and stored at out[slot, node, head * D:] ([M, n, Hq * D])."""
+        r = tl.program_id(0)  # = (slot * Hkv + kvh) * G * n + g * n + node = (slot * Hq + head) * n + node
         dims = tl.arange(0, HEAD_DIM)
         top = tl.load(m_ptr + r)
         for t in range(1, SPLITS):
@@ -146,14 +166,16 @@ if triton is not None:
             w = tl.exp(tl.load(m_ptr + row) - top)  # 0 for a split that saw no key (max -inf)
             num += w * tl.load(o_ptr + row * HEAD_DIM + dims)
             den += w * tl.load(l_ptr + row)
-        head = r // n
+        slot_head = r // n
+        slot = slot_head // Hq
+        head = slot_head % Hq
         node = r % n
-        dst = out_ptr + (node.to(tl.int64) * (tl.num_programs(0) // n) + head) * HEAD_DIM + dims
+        dst = out_ptr + ((slot.to(tl.int64) * n + node) * Hq + head) * HEAD_DIM + dims
         tl.store(dst, tl.math.div_rn(num, den).to(out_ptr.dtype.element_ty))  # correctly rounded, as PyTorch's
 
 
 def launch_plan(n: int, heads: int, kv_heads: int, capacity: int, head_dim: int, *, splits: int = 0,
-                target_programs: int = 264) -> dict:
+                target_programs: int = 264, slots: int = 1) -> dict:
     """Static launch parameters for one (n, heads, capacity) shape: they never depend on P, so a
     captured CUDA graph replays the same launch for any cache length. splits = 0 picks enough key
     splits for about target_programs programs (two per SM on an H100). The kernel divides the
@@ -165,31 +187,32 @@ def launch_plan(n: int, heads: int, kv_heads: int, capacity: int, head_dim: int,
     row_blocks = -(-(G * n) // block_m)
     max_splits = max(1, -(-capacity // block_n))
     if splits <= 0:
-        splits = -(-target_programs // (row_blocks * kv_heads))
+        splits = -(-target_programs // (row_blocks * kv_heads * slots))
     splits = max(1, min(splits, max_splits))
     split_len = -(-(-(-capacity // splits)) // block_n) * block_n  # a multiple of BLOCK_N covering S
     return dict(G=G, block_m=block_m, block_n=block_n, row_blocks=row_blocks, splits=splits, split_len=split_len)
 
 
 def split_partials(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0):
-    """The first kernel alone: per key split, the unnormalised output o [T, Hkv, G * n, D], the
-    running max m and sum l [T, Hkv, G * n] (float32; m = -inf in a split that saw no key), and the plan."""
+    """The first kernel alone, on batched shapes (see the module's docstring): per key split, the
+    unnormalised output o [T, M * Hkv, G * n, D], the running max m and sum l [T, M * Hkv, G * n]
+    (float32; m = -inf in a split that saw no key), and the plan."""
     if triton is None:
         raise RuntimeError("the tree-attention kernel needs triton: pip install triton")
     _check(q, k_cache, v_cache, tree_mask)
-    Hq, n, D = q.shape
-    Hkv, S, _ = k_cache.shape
-    if k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride() or D != _pow2(D):
+    M, Hq, n, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or D != _pow2(D):
         raise ValueError("tree_attention: K/V rows must be contiguous with equal strides and a power-of-two head dim")
-    plan = launch_plan(n, Hq, Hkv, S, D, splits=splits)
+    plan = launch_plan(n, Hq, Hkv, S, D, splits=splits, slots=M)
     G, T = plan["G"], plan["splits"]
-    o = torch.empty(T, Hkv, G * n, D, device=q.device, dtype=torch.float32)
-    m = torch.empty(T, Hkv, G * n, device=q.device, dtype=torch.float32)
+    o = torch.empty(T, M * Hkv, G * n, D, device=q.device, dtype=torch.float32)
+    m = torch.empty(T, M * Hkv, G * n, device=q.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)
-    grid = (plan["row_blocks"], Hkv, T)
+    grid = (plan["row_blocks"], M * Hkv, T)
     tree_attention_kernel[grid](
-        q.contiguous(), k_cache, v_cache, past_len.reshape(1), tree_mask.contiguous(), o, m, l_sum,
-        n, G, k_cache.stride(0), k_cache.stride(1),
+        q.contiguous(), k_cache, v_cache, past_len.reshape(M), tree_mask.contiguous(), o, m, l_sum,
+        n, G, Hkv, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         SM_SCALE=1.0 / math.sqrt(D), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=D,
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], num_warps=4, num_stages=2,
     )
@@ -197,11 +220,16 @@ def split_partials(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0)
 
 
 def tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0) -> torch.Tensor:
-    """The kernel, then the log-sum-exp merge of its key splits (fixed shapes: graph-capturable)."""
+    """The kernel, then the log-sum-exp merge of its key splits (fixed shapes: graph-capturable);
+    single or batched shapes (see the module's docstring)."""
+    if q.dim() == 3:
+        return tree_attention_triton(q[None], k_cache[None], v_cache[None], past_len.reshape(1), tree_mask[None],
+                                     splits=splits)[0]
     o, m, l_sum, plan = split_partials(q, k_cache, v_cache, past_len, tree_mask, splits=splits)
-    Hq, n, D = q.shape
-    G, T, Hkv = plan["G"], plan["splits"], k_cache.shape[0]
+    M, Hq, n, D = q.shape
+    G, T, Hkv = plan["G"], plan["splits"], k_cache.shape[1]
     # Every row sees at least itself, so some split has a finite max and the merge is well defined.
-    out = torch.empty(n, Hq * D, device=q.device, dtype=q.dtype)
-    merge_splits_kernel[(Hq * n,)](o, m, l_sum, out, n, G, Hkv * G * n, SPLITS=T, HEAD_DIM=D, num_warps=1)
+    out = torch.empty(M, n, Hq * D, device=q.device, dtype=q.dtype)
+    merge_splits_kernel[(M * Hq * n,)](o, m, l_sum, out, n, G, Hq, M * Hkv * G * n, SPLITS=T, HEAD_DIM=D,
+                                       num_warps=1)
     return out

@@ -76,6 +76,48 @@ def test_kernel_reads_the_cache_in_place_and_stops_at_the_length():
     assert (out - ref).abs().max() < 1e-5
 
 
+def batched_problem(lengths, Hq=4, Hkv=2, n=5, S=48, D=16, seed=1):
+    """Slots with their own lengths and trees, their caches side by side on one sequence axis (as a
+    serving batch lays them out: [Hkv, M * S, D], slot m at m * S..), seen as [M, Hkv, S, D] views.
+    Every slot's cache past its own P + n, and every other slot's range, is NaN: reading it shows."""
+    M = len(lengths)
+    probs = [attention_problem(Hq, Hkv, n, S, D, P, seed=seed + m) for m, P in enumerate(lengths)]
+    q = torch.stack([p[0] for p in probs])
+    flat = torch.full((2, Hkv, M * S, D), float("nan"))
+    for m, (_, k, v, past, _) in enumerate(probs):
+        live = int(past) + n
+        flat[0, :, m * S : m * S + live], flat[1, :, m * S : m * S + live] = k[:, :live], v[:, :live]
+    view = flat.view(2, Hkv, M, S, D).transpose(1, 2)  # [2, M, Hkv, S, D], strided
+    past = torch.tensor(lengths)
+    mask = torch.stack([p[4] for p in probs])
+    return q, view[0], view[1], past, mask, probs
+
+
+@pytest.mark.parametrize("lengths", [[13, 0, 40], [7], [0, 43, 20, 1]], ids=["three", "one", "four"])
+def test_batched_reference_is_each_slot_alone(lengths):
+    q, k, v, past, mask, probs = batched_problem(lengths)
+    got = ta.tree_attention_reference(q, k.nan_to_num(), v.nan_to_num(), past, mask)
+    for m, args in enumerate(probs):
+        live = int(args[3]) + 5
+        want = ta.tree_attention_reference(*args, key_bound=live)
+        assert (got[m] - want).abs().max() < 1e-5, m
+
+
+@pytest.mark.skipif(ta.triton is None, reason="triton is not installed (pip install triton)")
+@pytest.mark.parametrize("lengths,splits", [([13, 0, 40], 0), ([0, 43, 20, 1], 3), ([7], 2)],
+                         ids=["three", "four-split3", "one-split2"])
+def test_batched_kernel_reads_only_each_slots_own_keys(lengths, splits):
+    """Each slot attends to its own cache up to its own P + n: the NaN everywhere else never shows."""
+    from treeflash_kernels.ops import tree_attention
+
+    q, k, v, past, mask, probs = batched_problem(lengths)
+    got = ta.tree_attention_triton(q, k, v, past, mask, splits=splits)
+    assert got.shape == (len(lengths), 5, 4 * 16) and bool(got.isfinite().all())
+    for m, args in enumerate(probs):
+        assert (got[m] - ta.tree_attention_reference(*args)).abs().max() < 1e-5, m
+    assert tree_attention(q, k.nan_to_num(), v.nan_to_num(), past, mask).shape == got.shape  # the op takes both
+
+
 def test_launch_plan_is_static_and_covers_the_cache():
     for n, S in [(1, 4096), (64, 4096), (64, 8192), (7, 33)]:
         plan = ta.launch_plan(n, 32, 8, S, 128)
@@ -91,7 +133,7 @@ def test_key_splits_share_the_current_length_not_the_capacity():
     """A short prompt in a long cache: the P + n keys are divided among all the launch's splits (each
     sees keys, so has a finite max), not the capacity (which left 4 of these 8 splits idle)."""
     q, k, v, past, mask = attention_problem(4, 2, 4, 1024, 16, 508)  # P + n = 512 keys, S = 1024 slots
-    o, m, l_sum, plan = ta.split_partials(q, k, v, past, mask, splits=8)
+    o, m, l_sum, plan = ta.split_partials(q[None], k[None], v[None], past.reshape(1), mask[None], splits=8)
     assert plan["splits"] == 8 and plan["block_n"] == 64
     assert bool(m.isfinite().all()), [bool(m[t].isfinite().any()) for t in range(8)]
     assert (ta.tree_attention_triton(q, k, v, past, mask, splits=8)
@@ -411,10 +453,11 @@ def test_attention_kernels_compile_for_hopper(dtype):
     plan = ta.launch_plan(64, 32, 8, 8192, 128)
     T = "*" + dtype
     sig = dict(q_ptr=T, k_ptr=T, v_ptr=T, len_ptr="*i64", mask_ptr="*i1", o_ptr="*fp32", m_ptr="*fp32",
-               l_ptr="*fp32", n="i32", G="i32", stride_kh="i32", stride_ks="i32")
+               l_ptr="*fp32", n="i32", G="i32", Hkv="i32", stride_km="i32", stride_kh="i32", stride_ks="i32")
     consts = dict(SM_SCALE=1 / math.sqrt(128), PRECISION="ieee" if dtype == "fp32" else "tf32", HEAD_DIM=128,
                   BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"])
-    merge = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=T, n="i32", G="i32", rows_per_split="i32")
+    merge = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=T, n="i32", G="i32", Hq="i32",
+                 rows_per_split="i32")
     out = compile_for_hopper("treeflash_kernels.tree_attention", [
         ("tree_attention_kernel", sig, consts, 4),
         ("merge_splits_kernel", merge, dict(SPLITS=plan["splits"], HEAD_DIM=128), 1)])
