@@ -171,62 +171,87 @@ class DrafterBackbone(nn.Module):
         length P = ctx_start + ctx_count, where nothing reads them). With a block, its K/V then
         go to slots P..P+B-1 (overwriting the padding; the next round's context overwrites them
         in turn) and the block attends to slots 0..P+B-1 in place: the committed context and the
-        whole block, non-causally. Returns z [B, H] (pre-norm), or None without a block."""
+        whole block, non-causally. Returns z [B, H] (pre-norm), or None without a block.
+
+        Batched (the slots of a serving batch, one pass for all): ctx_features [M, C, T*H],
+        ctx_start and ctx_count [M], block_embeds [M, B, H], and the cache [L, 2, Hkv, M * S, D]
+        with slot m's range at m * S.. on the sequence axis; returns z [M, B, H]. The single form
+        is the batch of one."""
+        if ctx_features.dim() == 2:
+            z = self.forward_cached(ctx_features[None], ctx_start.reshape(1), ctx_count.reshape(1),
+                                    None if block_embeds is None else block_embeds[None], cache, key_bound)
+            return None if z is None else z[0]
+        M, C = ctx_features.shape[:2]
+        dev = ctx_features.device
+        base = torch.arange(M, device=dev) * (cache.shape[3] // M)  # each slot's first cache slot
+        rows = torch.arange(C, device=dev)
+        ctx_pos = ctx_start[:, None] + rows  # [M, C]
+        ctx_slots = (base[:, None] + ctx_pos).flatten()
+        blk = None
+        if block_embeds is not None:
+            B = block_embeds.shape[1]
+            past_len = ctx_start + ctx_count
+            blk_pos = past_len[:, None] + torch.arange(B, device=dev)  # [M, B]
+            see_block = torch.ones(M, B, B, dtype=torch.bool, device=dev)
+            blk = (block_embeds.flatten(0, 1), blk_pos.flatten(), (base[:, None] + blk_pos).flatten(), past_len,
+                   see_block)
+        if self.fused is not None:
+            ctx_write = torch.where(rows < ctx_count[:, None], base[:, None] + ctx_pos, -1).flatten()
+            x = self._fused_cached(ctx_features.flatten(0, 1), ctx_pos.flatten(), ctx_write, blk, cache, M, key_bound)
+        else:
+            x = self._cached_layers(ctx_features.flatten(0, 1), ctx_pos.flatten(), ctx_slots, blk, cache, M,
+                                    key_bound)
+        return None if x is None else x.unflatten(0, (M, -1))
+
+    def _attend(self, q, cache_layer, past_len, see_block, M, key_bound):
+        """q [Hq, M * B, D] of the blocks -> [M * B, Hq * D], each slot over its own cache range."""
         from treeflash_kernels.ops import tree_attention
 
-        dev = ctx_features.device
-        if self.fused is not None:
-            return self._fused_cached(ctx_features, ctx_start, ctx_count, block_embeds, cache, key_bound)
+        k, v = (cache_layer[j].unflatten(1, (M, -1)).transpose(0, 1) for j in (0, 1))  # [M, Hkv, S, D] views
+        q = q.reshape(q.shape[0], M, -1, q.shape[-1]).transpose(0, 1)
+        return tree_attention(q, k, v, past_len, see_block, key_bound).flatten(0, 1)
+
+    def _cached_layers(self, ctx_features, ctx_pos, ctx_slots, blk, cache, M, key_bound):
+        """forward_cached through the modules, rows flat over the slots."""
         ctx = self.hidden_norm(self.fc(ctx_features))
-        ctx_slots = ctx_start + torch.arange(ctx_features.shape[0], device=dev)
-        ctx_rope = self._rope(ctx, ctx_slots)
-        x = block_embeds
-        if x is not None:
-            B = x.shape[0]
-            past_len = ctx_start + ctx_count
-            blk_slots = past_len + torch.arange(B, device=dev)
-            blk_rope = self._rope(x, blk_slots)
-            see_block = torch.ones(B, B, dtype=torch.bool, device=dev)
+        ctx_rope = self._rope(ctx, ctx_pos)
+        if blk is not None:
+            x, blk_pos, blk_slots, past_len, see_block = blk
+            blk_rope = self._rope(x, blk_pos)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             write_kv(cache[i], ctx_slots, *attn._kv(ctx, *ctx_rope))
-            if x is None:  # ingesting context only (the prompt)
+            if blk is None:  # ingesting context only (the prompt)
                 continue
             h = layer.input_layernorm(x)
             write_kv(cache[i], blk_slots, *attn._kv(h, *blk_rope))
-            out = tree_attention(attn._q(h, *blk_rope), cache[i, 0], cache[i, 1], past_len, see_block, key_bound)
+            out = self._attend(attn._q(h, *blk_rope), cache[i], past_len, see_block, M, key_bound)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x
+        return None if blk is None else x
 
-    def _fused_cached(self, ctx_features, ctx_start, ctx_count, block_embeds, cache, key_bound):
-        """forward_cached with the layer kernels. Context rows and block rows share each layer's
-        q/k/v GEMM and its norm-RoPE-write kernel (the context rows' q goes unused); padding
-        rows get slot -1 (not written), so no two rows of one launch write the same slot."""
-        from treeflash_kernels.ops import add_rms_norm, tree_attention
+    def _fused_cached(self, ctx_features, ctx_pos, ctx_write, blk, cache, M, key_bound):
+        """forward_cached with the layer kernels, rows flat over the slots. Context rows and block
+        rows share each layer's q/k/v GEMM and its norm-RoPE-write kernel (the context rows' q goes
+        unused); padding rows get slot -1 (not written), so no two rows of one launch write the
+        same slot."""
+        from treeflash_kernels.ops import add_rms_norm
 
-        dev, C = ctx_features.device, ctx_features.shape[0]
-        rows = torch.arange(C, device=dev)
-        ctx_slots = ctx_start + rows
-        ctx_write = torch.where(rows < ctx_count, ctx_slots, -1)
         _, ctx = add_rms_norm(self.fc(ctx_features), None, *norm_args(self.hidden_norm))
-        if block_embeds is None:  # ingesting context only (the prompt): k/v of the context rows
-            cos, sin = self._rope(ctx, ctx_slots)
+        if blk is None:  # ingesting context only (the prompt): k/v of the context rows
+            cos, sin = self._rope(ctx, ctx_pos)
             for i, fl in enumerate(self.fused):
                 fl.qkv(ctx, cos, sin, cache[i, 0], cache[i, 1], ctx_write)
             return None
-        B = block_embeds.shape[0]
-        past_len = ctx_start + ctx_count
-        blk_slots = past_len + torch.arange(B, device=dev)
-        slots = torch.cat([ctx_slots, blk_slots])
-        cos, sin = self._rope(ctx, slots)
+        block_rows, blk_pos, blk_slots, past_len, see_block = blk
+        C = ctx.shape[0]
+        cos, sin = self._rope(ctx, torch.cat([ctx_pos, blk_pos]))
         write = torch.cat([ctx_write, blk_slots])
-        see_block = torch.ones(B, B, dtype=torch.bool, device=dev)
         norms = [layer.input_layernorm for layer in self.layers]
-        x, h = add_rms_norm(block_embeds, None, *norm_args(norms[0]))
+        x, h = add_rms_norm(block_rows, None, *norm_args(norms[0]))
         for i, fl in enumerate(self.fused):
             q = fl.qkv(torch.cat([ctx, h]), cos, sin, cache[i, 0], cache[i, 1], write)[:, C:]
-            out = tree_attention(q, cache[i, 0], cache[i, 1], past_len, see_block, key_bound)
+            out = self._attend(q, cache[i], past_len, see_block, M, key_bound)
             x, h = add_rms_norm(x, fl.attn.o_proj(out), *fl.post_norm)
             mlp_out = fl.mlp(h)
             if i + 1 < len(norms):

@@ -103,16 +103,52 @@ class TreeVerifier(nn.Module):
         """The runtime's form: new K/V go straight into the cache (node i at slot past_len + i) and
         attention reads the cache in place, up to past_len + n, heads grouped natively. No host
         value is read, so the call can be captured in a CUDA graph. Returns logits [n or r, V] and
-        taps [n, T*H]."""
+        taps [n, T*H].
+
+        Batched (the slots of a serving batch, one pass for all): tokens and positions [M, n],
+        tree_mask [M, n, n], past_len [M], logit_rows [M, r], and the cache [L, 2, Hkv, M * S, D]:
+        slot m's S cache slots lie at m * S.. on the sequence axis, so writes keep the single
+        form's slot indices (offset by m * S) and each slot attends to its own range up to its own
+        length. Returns logits [M, n or r, V] and taps [M, n, T*H]."""
         from treeflash_kernels.ops import tree_attention
 
+        if tokens.dim() == 2:
+            return self._slots_cached(tokens, positions, tree_mask, cache, past_len, key_bound, logit_rows)
         slots = past_len + torch.arange(_check_inputs(tokens, positions, tree_mask), device=tokens.device)
+
+        def attend(i, q):
+            return tree_attention(q, cache[i, 0], cache[i, 1], past_len, tree_mask, key_bound)
+
+        return self._cached_layers(tokens, positions, cache, slots, attend, logit_rows)
+
+    def _slots_cached(self, tokens, positions, tree_mask, cache, past_len, key_bound, logit_rows):
+        """forward_cached over M slots: one flat pass of M * n rows; only the cache writes (slot
+        offsets) and attention (per slot) see the slot axis."""
+        from treeflash_kernels.ops import tree_attention
+
+        M, n = tokens.shape
+        _check_inputs(tokens[0], positions[0], tree_mask[0])
+        S = cache.shape[3] // M
+        ids = torch.arange(M, device=tokens.device)
+        slots = ((ids * S + past_len)[:, None] + torch.arange(n, device=tokens.device)).flatten()
+
+        def attend(i, q):  # q [Hq, M * n, D] -> [M * n, Hq * D]
+            k, v = (cache[i, j].unflatten(1, (M, S)).transpose(0, 1) for j in (0, 1))  # [M, Hkv, S, D] views
+            q = q.reshape(q.shape[0], M, n, q.shape[-1]).transpose(0, 1)
+            return tree_attention(q, k, v, past_len, tree_mask, key_bound).flatten(0, 1)
+
+        rows = None if logit_rows is None else (ids[:, None] * n + logit_rows).flatten()
+        logits, taps = self._cached_layers(tokens.flatten(), positions.flatten(), cache, slots, attend, rows)
+        return logits.unflatten(0, (M, -1)), taps.unflatten(0, (M, n))
+
+    def _cached_layers(self, tokens, positions, cache, slots, attend, logit_rows):
+        """The layers of forward_cached: K/V written at slots [n], attend(i, q [Hq, n, D]) -> [n, Hq*D]."""
         if self.fused is not None:
-            return self._fused_layers(tokens, positions, cache, slots, tree_mask, past_len, key_bound, logit_rows)
+            return self._fused_layers(tokens, positions, cache, slots, attend, logit_rows)
 
         def attention(i, q, k, v):
             write_kv(cache[i], slots, k, v)
-            return tree_attention(q, cache[i, 0], cache[i, 1], past_len, tree_mask, key_bound)
+            return attend(i, q)
 
         return self._layers(tokens, positions, attention, logit_rows)
 
@@ -142,11 +178,11 @@ class TreeVerifier(nn.Module):
             return logits, x.new_zeros(x.shape[0], 0)
         return logits, torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1)
 
-    def _fused_layers(self, tokens, positions, cache, slots, tree_mask, past_len, key_bound, logit_rows):
+    def _fused_layers(self, tokens, positions, cache, slots, attend, logit_rows):
         """forward_cached's layers with the kernels: per layer one add+norm before attention (the
         previous layer's closing add), q/k/v in one GEMM then one kernel (norms, RoPE, cache
         write), attention, o_proj, add+norm, gate/up in one GEMM, SwiGLU, down."""
-        from treeflash_kernels.ops import add_rms_norm, tree_attention
+        from treeflash_kernels.ops import add_rms_norm
 
         x = self.embed_tokens(tokens)  # [n, H]
         cos, sin = self.rotary_emb(x[None], positions[None])
@@ -156,7 +192,7 @@ class TreeVerifier(nn.Module):
         taps = {}
         for i, fl in enumerate(self.fused):
             q = fl.qkv(h, cos, sin, cache[i, 0], cache[i, 1], slots)
-            out = tree_attention(q, cache[i, 0], cache[i, 1], past_len, tree_mask, key_bound)
+            out = attend(i, q)
             x, h = add_rms_norm(x, fl.attn.o_proj(out), *fl.post_norm)
             x, h = add_rms_norm(x, fl.mlp(h), *norm_args(norms[i + 1]))  # the next layer's norm, or the final one
             if i in self.tap_layer_ids:
