@@ -290,3 +290,21 @@ def test_the_default_verifier_is_converted_again_under_another_transformers(monk
     smollm.default_verifier()
     assert len(calls) == 3 and smollm.default_verifier() == out and len(calls) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]  # no partial folders
+
+
+def test_chat_with_a_tokenizer_without_a_chat_template(pair_dirs, tmp_path):
+    """--chat needs the tokenizer's chat template: one line, exit status 2, nothing on stdout."""
+    d = tmp_path / "pair"
+    shutil.copytree(pair_dirs["qwen3"], d)
+    cfg_path = d / "verifier" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    for extra in (d / "verifier").glob("chat_template.*"):
+        extra.unlink()
+    r = invoke(*pair_args(d), "--prompt", "hello", "--chat", "--max-new-tokens", 4)
+    assert_one_line_error(r)
+    assert r.stderr.strip().splitlines()[-1] == "error: --chat: this tokenizer has no chat template"
+    assert r.stdout == ""
+    r = invoke(*pair_args(d), "--prompt", "hello", "--max-new-tokens", 4, "--ignore-eos", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["new_tokens"] == 4  # without --chat it runs

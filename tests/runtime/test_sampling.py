@@ -226,9 +226,9 @@ SAMPLING_CASES = [
     ("torch", "treeflash", 0.7, 0.8),
     ("torch", "marginal", 1.0, 0.9),
     ("torch", "chain", 1.0, 1.0),
-    ("torch", "chain", 0.8, 0.7),
+    ("torch", "chain", 0.8, 0.9),
     ("onnxruntime", "treeflash", 1.0, 1.0),
-    ("onnxruntime", "treeflash", 0.7, 0.8),
+    ("onnxruntime", "treeflash", 1.2, 0.9),
     ("onnxruntime", "marginal", 1.0, 1.0),
     ("onnxruntime", "chain", 1.0, 0.9),
 ]
@@ -246,6 +246,7 @@ def test_speculative_sampling_matches_verifier_distribution(small_vocab_pair, sm
     assert min(rounds) >= 2 and sum(counts.values()) == SAMPLES
     probs = exact_distribution(verifier, temperature, top_p)
     assert sum(probs.values()) == pytest.approx(1.0)
+    assert sum(p * SAMPLES >= 5 for p in probs.values()) >= 4  # a case with several likely outcomes
     assert gof_pvalue(counts, probs, SAMPLES) > ALPHA
 
 

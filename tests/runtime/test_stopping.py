@@ -176,3 +176,39 @@ def test_torch_runner_fills_the_cache_to_its_last_needed_slot(greedy):
         generate(runner, ids, TreeConfig(tree_size=16, top_m=4, top_k=4), SamplingConfig(max_new_tokens=21))
     assert torch.equal(torch.tensor(generate(runner, ids, TreeConfig(tree_size=16, top_m=4, top_k=4),
                                              SamplingConfig(max_new_tokens=20)).token_ids), torch.tensor(res.token_ids))
+
+
+def test_an_artifact_and_its_service_stop_at_the_end_of_turn(turn_pair, greedy, tmp_path):
+    """The build records the default stop set in the manifest; ONNX Runtime through treeflash-run and the
+    serving module (a request without end_id) end where the verifier writes <|im_end|>; end_id -1 does not."""
+    import numpy as np
+
+    from treeflash_export.export.artifact import load_artifact
+    from treeflash_export.export.build import BuildConfig, build
+    from treeflash_runtime.serving.service import Service
+
+    root, j = turn_pair
+    pair, _, ref = greedy
+    out = build(str(root / "verifier"), str(root / "drafter"), tmp_path / "art",
+                BuildConfig(mode="treeflash", tree_size=16, top_m=4, top_k=4, max_seq_len=96, prefill_chunk=16),
+                validate=False, log=lambda m: None)
+    assert load_artifact(out).manifest["stop_token_ids"] == [EOS, IM_END]
+    res = run_json("--artifacts", out, "--backend", "onnxruntime", "--prompt", PROMPT, "--max-new-tokens", NEW)
+    assert res["token_ids"] == ref[:j] + [IM_END] and res["stop_reason"] == "stop_token"
+    service = Service.from_artifact(out, "onnxruntime")
+
+    def request(**extra):
+        inputs = {"text_input": np.array([[PROMPT.encode()]], dtype=object),
+                  "max_tokens": np.array([[NEW]], dtype=np.int32), **extra}
+        replies = []
+        service.handle(inputs, replies.append)
+        return replies
+
+    (whole,) = request()
+    assert (whole.token_ids, whole.text, whole.stop_reason) == (ref[:j] + [IM_END], pair.tokenizer.decode(ref[:j]),
+                                                               "stop_token")
+    streamed = request(stream=np.array([[True]]))
+    assert sum((r.token_ids for r in streamed), []) == ref[:j] + [IM_END]
+    assert "".join(r.text for r in streamed) == whole.text and streamed[-1].stop_reason == "stop_token"
+    (full,) = request(end_id=np.array([[-1]], dtype=np.int32))
+    assert full.new_tokens == NEW and full.token_ids[: j + 1] == ref[:j] + [IM_END]

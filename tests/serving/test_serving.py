@@ -7,6 +7,7 @@ with the in-process run of the same artifact, token for token (greedy, fp32).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -244,6 +245,87 @@ def test_service_stop_words_and_end_id(service, reference):
     assert r.token_ids == ref["token_ids"] and r.stop_reason == "max_new_tokens"
 
 
+def _first_tokens_holding(tokenizer, ids, word):
+    """The shortest run of ids whose text holds ``word`` (written independently of the service)."""
+    return next(ids[:k] for k in range(1, len(ids) + 1) if word in tokenizer.decode(ids[:k], skip_special_tokens=True))
+
+
+def _new_word(text, start):
+    """Three ASCII characters, not all spaces, first written at or after ``start``."""
+    return next(text[i : i + 3] for i in range(start, len(text) - 3)
+                if text[i : i + 3].isascii() and text[i : i + 3].strip() and text.find(text[i : i + 3]) == i)
+
+
+def _stop_word_case(service, reference):
+    """(prompt, reference, a stop word that a middle token completes, the text cut after it, its tokens)"""
+    tok = service.session.tokenizer
+    ref = reference(PROMPTS[1])
+    word = _new_word(ref["text"], 5)
+    cut = ref["text"][: ref["text"].find(word) + len(word)]
+    ids = _first_tokens_holding(tok, ref["token_ids"], word)
+    assert 1 < len(ids) < len(ref["token_ids"]) - 2
+    return PROMPTS[1], ref, word, cut, ids
+
+
+def test_service_stop_word_returns_the_tokens_up_to_it(service, reference):
+    """The text is cut right after the stop word, and output_ids hold the tokens up to the one that completes
+    it: not the rest of the round that wrote it. Streamed and whole agree."""
+    prompt, ref, word, cut, ids = _stop_word_case(service, reference)
+    (whole,) = _collect(service, _arrays(prompt, NEW, stream=False, stop_words=(word,)))
+    assert (whole.text, whole.token_ids, whole.new_tokens, whole.stop_reason) == (cut, ids, len(ids), "stop_word")
+    streamed = _collect(service, _arrays(prompt, NEW, stream=True, stop_words=(word,)))
+    assert "".join(r.text for r in streamed) == cut and sum((r.token_ids for r in streamed), []) == ids
+    assert streamed[-1].final and streamed[-1].stop_reason == "stop_word" and streamed[-1].new_tokens == len(ids)
+    assert [r.new_tokens for r in streamed[:-1]] == [len(sum((x.token_ids for x in streamed[: i + 1]), []))
+                                                     for i in range(len(streamed) - 1)]
+
+    class FourRoundsAtOnce:
+        """The runner with four rounds' tokens gained at once (the random drafter accepts about nothing),
+        so the stop word is completed in the middle of a round's tokens."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def round(self):
+            return sum((self.inner.round() for _ in range(4)), [])
+
+    from treeflash_runtime.serving.service import Service
+
+    grouped = Service(dataclasses.replace(service.session, runner=FourRoundsAtOnce(service.session.runner)))
+    (whole,) = _collect(grouped, _arrays(prompt, NEW, stream=False, stop_words=(word,)))
+    assert (whole.text, whole.token_ids, whole.new_tokens, whole.stop_reason) == (cut, ids, len(ids), "stop_word")
+    streamed = _collect(grouped, _arrays(prompt, NEW, stream=True, stop_words=(word,)))
+    assert "".join(r.text for r in streamed) == cut and sum((r.token_ids for r in streamed), []) == ids
+    assert len(streamed) < len(ids) + 1  # rounds of several tokens did happen
+
+
+def test_service_several_stop_words_cut_at_the_first_in_the_text(service, reference):
+    prompt, ref, word, cut, ids = _stop_word_case(service, reference)
+    later = _new_word(ref["text"], len(cut))  # first written after the cut
+    for words in [(later, word), (word, later), ("never in this text \u2603", word)]:
+        for stream in (False, True):
+            replies = _collect(service, _arrays(prompt, NEW, stream=stream, stop_words=words))
+            assert "".join(r.text for r in replies) == cut, (words, stream)
+            assert sum((r.token_ids for r in replies), []) == ids and replies[-1].stop_reason == "stop_word"
+
+
+def test_service_accepts_the_max_tokens_its_error_names(service):
+    """'ask for at most N tokens': N is served to the last token, N + 1 is refused."""
+    from treeflash_runtime.serving.service import RequestError
+
+    with pytest.raises(RequestError) as err:
+        service.handle(_arrays("hi", CAPACITY, stream=False), lambda r: None)
+    n = int(re.search(r"ask for at most (\d+) tokens", str(err.value)).group(1))
+    assert n == CAPACITY - len(service.session.tokenizer("hi")["input_ids"]) + 1 - TREE["tree_size"]
+    (r,) = _collect(service, _arrays("hi", n, stream=False, end_id=-1))
+    assert r.new_tokens == len(r.token_ids) == n and r.stop_reason == "max_new_tokens"
+    with pytest.raises(RequestError, match=f"ask for at most {n} tokens"):
+        service.handle(_arrays("hi", n + 1, stream=False), lambda r: None)
+
+
 BAD_REQUESTS = [
     # (what, inputs as given to the model, expected message part)
     ("missing text_input", {"max_tokens": np.array([[4]], np.int32)}, "missing input 'text_input'"),
@@ -440,3 +522,73 @@ def test_a_model_that_cannot_load_stops_the_server_with_its_reason(artifact, tmp
     with pytest.raises(TreeFlashError) as err:
         start_local_server(repo, tmp_path / "work", timeout=120)
     assert "did not become ready" in str(err.value) and "has no manifest.json" in str(err.value)
+
+
+@pytest.mark.tritonserver
+def test_stop_words_and_end_id_through_the_server(server, service, reference):
+    """The same cut text and tokens as in process, streamed over gRPC, whole over gRPC and HTTP."""
+    from treeflash_runtime.serving.client import generate_http, stream_grpc
+
+    prompt, ref, word, cut, ids = _stop_word_case(service, reference)
+    later = _new_word(ref["text"], len(cut))
+    for stream in (True, False):
+        r = stream_grpc(server.grpc, _inputs(prompt, NEW, stream=stream, stop_words=(later, word)))
+        assert (r.text, r.token_ids, r.new_tokens, r.stop_reason) == (cut, ids, len(ids), "stop_word"), stream
+    h = generate_http(server.http, _inputs(prompt, NEW, stream=False, stop_words=(later, word)))
+    assert (h.text, h.token_ids, h.new_tokens, h.stop_reason) == (cut, ids, len(ids), "stop_word")
+    end = ref["token_ids"][5]
+    want = ref["token_ids"][: ref["token_ids"].index(end) + 1]
+    r = stream_grpc(server.grpc, _inputs(prompt, NEW, stream=True, end_id=end))
+    assert r.token_ids == want and r.stop_reason == "stop_token"
+    assert r.text == service.session.tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.tritonserver
+def test_a_seeded_sampled_request_repeats_through_the_server(server, service):
+    """temperature 1, top_p 0.9, random_seed 7: the same tokens twice, and the in-process tokens of the same
+    request; another seed gives other tokens."""
+    from treeflash_runtime.serving.client import generate_http, stream_grpc
+
+    sampled = dict(temperature=1.0, top_p=0.9, end_id=-1)
+    first = stream_grpc(server.grpc, _inputs(PROMPTS[0], 16, stream=True, random_seed=7, **sampled))
+    again = stream_grpc(server.grpc, _inputs(PROMPTS[0], 16, stream=True, random_seed=7, **sampled))
+    (local,) = _collect(service, _arrays(PROMPTS[0], 16, stream=False, random_seed=7, **sampled))
+    assert first.token_ids == again.token_ids == local.token_ids and len(first.token_ids) == 16
+    assert first.text == again.text == local.text
+    http = generate_http(server.http, _inputs(PROMPTS[0], 16, stream=False, random_seed=7, **sampled))
+    assert http.token_ids == first.token_ids
+    other = stream_grpc(server.grpc, _inputs(PROMPTS[0], 16, stream=True, random_seed=8, **sampled))
+    assert other.token_ids != first.token_ids
+
+
+@pytest.mark.tritonserver
+def test_the_server_accepts_the_max_tokens_its_error_names(server):
+    from treeflash_runtime.serving.client import ServerError, stream_grpc
+
+    with pytest.raises(ServerError) as err:
+        stream_grpc(server.grpc, _inputs("hi", CAPACITY, stream=True), timeout=60)
+    n = int(re.search(r"ask for at most (\d+) tokens", str(err.value)).group(1))
+    r = stream_grpc(server.grpc, _inputs("hi", n, stream=True, end_id=-1))
+    assert r.new_tokens == len(r.token_ids) == n and r.stop_reason == "max_new_tokens"
+    with pytest.raises(ServerError, match=f"ask for at most {n} tokens"):
+        stream_grpc(server.grpc, _inputs("hi", n + 1, stream=False), timeout=60)
+
+
+@pytest.mark.tritonserver
+def test_run_cli_stop_token_and_ignore_eos_through_the_server(server, reference):
+    """--stop-token-id becomes the request's end_id, --ignore-eos sends -1: the tokens and text stated exactly,
+    streamed to the terminal and as JSON."""
+    ref = reference(PROMPTS[0])
+    stop = ref["token_ids"][6]
+    want = ref["token_ids"][: ref["token_ids"].index(stop) + 1]
+    args = ["--server", server.grpc, "--prompt", PROMPTS[0], "--max-new-tokens", str(NEW)]
+    r = CliRunner().invoke(run_main, [*args, "--stop-token-id", str(stop), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == want and out["stop_reason"] == "stop_token" and out["new_tokens"] == len(want)
+    r = CliRunner().invoke(run_main, [*args, "--stop-token-id", str(stop)])
+    assert r.exit_code == 0 and r.stdout == out["text"] + "\n" and "(stop_token)" in r.stderr
+    r = CliRunner().invoke(run_main, [*args, "--ignore-eos", "--json"])
+    assert json.loads(r.stdout)["token_ids"] == ref["token_ids"]
+    r = CliRunner().invoke(run_main, [*args, "--stop-token-id", "5", "--stop-token-id", "6"])
+    assert r.exit_code == 2 and r.stderr == "error: --server takes one --stop-token-id (the request's end_id)\n"

@@ -443,3 +443,32 @@ def test_resume_without_a_checkpoint_is_one_line_and_writes_nothing(pair_dirs, t
         f"error: --resume: there is no checkpoint to continue in {tmp_path / 'w'} (no last.pt); run without "
         f"--resume to start, or pass the --work folder of the earlier run"]
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_chat_sources_with_a_tokenizer_without_a_chat_template(pair_dirs, tmp_path):
+    """The chat sources render turns with the verifier's chat template: without one, a single line before
+    any data is generated, exit status 2, and nothing is written (neither --out nor --work)."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from treeflash_export.cli import main
+
+    v = tmp_path / "verifier"
+    shutil.copytree(pair_dirs["qwen3"] / "verifier", v)
+    cfg = json.loads((v / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (v / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for extra in v.glob("chat_template.*"):
+        extra.unlink()
+    for source in ("chat-stdlib", "code:1,chat-prose:1"):
+        option = "--mix" if ":" in source else "--source"
+        r = CliRunner().invoke(main, ["train", "--model", str(v), "--out", str(tmp_path / "d"), "--work",
+                                      str(tmp_path / "w"), option, source, "--steps", "1", "--train-prompts", "4",
+                                      "--heldout-prompts", "2", "--prompt-tokens", "48"])
+        assert r.exit_code == 2, r.output
+        name = source if option == "--source" else "chat-prose"
+        assert r.stderr.strip().splitlines() == [
+            f"error: --source {name} writes chat turns with the verifier's chat template, but its tokenizer has "
+            f"none: train on --source code or on --data prompts instead"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["verifier"]

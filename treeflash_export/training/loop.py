@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..fsutil import atomic_folder
 from ..fsutil import atomic_torch_save as _atomic_save  # checkpoints (a module name the tests can patch)
 from .chat import stop_ids
-from .config import TrainConfig
+from .config import CHAT_SOURCES, TrainConfig
 from .data import turn_ends
 from .dataset import prepare_data
 
@@ -323,11 +323,16 @@ def _train(verifier_path, out, cfg, resume, work, log, verifier_name, dev, data_
     from tqdm import tqdm
 
     from ..checkpoints import checkpoint_fingerprint, load_tokenizer, load_verifier, resolve_checkpoint
+    from .sources import resolve_mix
 
     ckpt_path = work / "last.pt"
     vpath = resolve_checkpoint(verifier_path, "verifier")
-    verifier = load_verifier(vpath, dtype=torch.float32, device=dev)
     tok = load_tokenizer(vpath)
+    chat = [name for name in resolve_mix(cfg.mix, bool(data_files)) if name in CHAT_SOURCES]
+    if chat and not getattr(tok, "chat_template", None):  # before any data is generated or written
+        raise ConfigError(f"--source {chat[0]} writes chat turns with the verifier's chat template, but its "
+                          f"tokenizer has none: train on --source code or on --data prompts instead")
+    verifier = load_verifier(vpath, dtype=torch.float32, device=dev)
     vcfg = verifier.config
     tap_ids = default_target_layer_ids(int(vcfg.num_hidden_layers), cfg.num_taps)
     mask_id = int(vcfg.vocab_size) - 1 if tok.pad_token_id is None else int(tok.pad_token_id)
