@@ -77,7 +77,7 @@ def check_capacity(runner: Runner, prompt_len: int, sampling: SamplingConfig, tr
         )
 
 
-class _Emitter:
+class Emitter:
     """Collects emitted tokens, applies stop tokens and the token budget, and streams."""
 
     def __init__(self, sampling: SamplingConfig, on_tokens: Callable[[list[int]], None] | None):
@@ -123,7 +123,7 @@ def generate(
     P = int(prompt.shape[0])
     check_capacity(runner, P, sampling, tree)
     stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=P)
-    out = _Emitter(sampling, on_tokens)
+    out = Emitter(sampling, on_tokens)
 
     t0 = time.perf_counter()
     first = runner.begin(prompt, tree, sampling)

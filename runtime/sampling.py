@@ -60,3 +60,57 @@ def accept(tree: Tree, y: torch.Tensor, max_path: int | None = None) -> tuple[to
     # Path nodes first, in index order (= path order: parents precede children), then the rest.
     order = torch.where(on_path, ids, ids + N).argsort()
     return order[: max_path or N], depth[best][0] + 1, y[best][0]
+
+
+# ------------------------------------------------------------------ keyed sampling (request slots)
+#
+# A served request's draws must depend on its own seed only, never on which slot it holds or who
+# shares its rounds. So the exponential race takes its noise from a hash of (seed, position,
+# token id) instead of a generator: the token at position t is argmax_v p(v) / E(seed, t, v) with
+# E = -log U, U uniform in (0, 1). Every tree node at depth d draws the noise of position P + d + 1;
+# siblings share it, but only one node per depth lies on the accepted path, so the tokens emitted
+# are exactly those of sequential sampling with the same noise: the same for any tree, mode or
+# batch, and for plain decoding with the same seed.
+
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as int64 (torch has no uint64 arithmetic)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (>> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser (int64 products wrap, as unsigned ones would)."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def keyed_uniform(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """seed [k] int64, positions [k, n] int64 -> U [k, n, vocab] float32 in (0, 1), a pure function
+    of (seed, position, token id): 24 bits of a splitmix64 hash, offset by half a step."""
+    z = _mix(seed.reshape(-1, 1, 1) + _GOLDEN)
+    z = _mix(z + (positions[..., None] + 1) * _GOLDEN)
+    z = _mix(z + (torch.arange(vocab, device=seed.device) + 1) * _GOLDEN)
+    return (_shr(z, 40).float() + 0.5) * 2.0**-24
+
+
+def choose_tokens_keyed(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
+                        positions: torch.Tensor, sampling: bool) -> torch.Tensor:
+    """logits [k, n, V]; per slot temperature, top_p [k] float and seed [k] int64; positions [k, n]
+    (the position of the token each row chooses) -> [k, n] int64. Greedy where temperature is 0.
+    sampling (known to the host): whether any slot samples; if not, only the argmax is computed."""
+    greedy = logits.argmax(dim=-1)
+    if not sampling:
+        return greedy
+    t = temperature.clamp_min(1e-6).reshape(-1, 1, 1)
+    probs = torch.softmax(logits.float() / t, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    p = top_p.reshape(-1, 1, 1)
+    keep = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, (before < p) | (p >= 1.0))
+    race = torch.where(keep, probs, torch.zeros_like(probs)) / -torch.log(keyed_uniform(seed, positions, probs.shape[-1]))
+    return torch.where(temperature.reshape(-1, 1) > 0, race.argmax(dim=-1), greedy)

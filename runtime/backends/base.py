@@ -134,16 +134,19 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def allocate_caches(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
-                    capacity: int) -> dict[str, torch.Tensor]:
+                    capacity: int, slots: int = 0) -> dict[str, torch.Tensor]:
     """Zeroed caches, after checking that they fit: a one-line error names the bytes needed and
-    the bytes free instead of an allocator traceback."""
+    the bytes free instead of an allocator traceback. slots: request slots sharing them (0: one
+    sequence, no --max-batch)."""
     sizes = {name: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for name, shape in shapes.items()}
     free = free_memory(device)
     need = sum(sizes.values())
     if free is not None and need > free:
         parts = ", ".join(f"{name} {gib(b)}" for name, b in sizes.items())
-        raise ConfigError(f"the caches for --max-seq-len {capacity} need {gib(need)} ({parts}) but only {gib(free)} "
-                          f"is free on {device}: lower --max-seq-len")
+        what = f"--max-seq-len {capacity}" + (f" x --max-batch {slots}" if slots else "")
+        fix = "lower --max-seq-len" + (" or --max-batch" if slots else "")
+        raise ConfigError(f"the caches for {what} need {gib(need)} ({parts}) but only {gib(free)} "
+                          f"is free on {device}: {fix}")
     return {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
 
 

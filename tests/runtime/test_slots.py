@@ -90,3 +90,102 @@ def test_drafter_over_slots_equals_each_slot_alone(load, fast_kernels):
                 assert (batch_cache[:, :, :, m * S : m * S + live] - cache[:, :, :, :live]).abs().max() < 1e-5, m
     finally:
         backbone.use_layer_kernels(False)
+
+
+# ---------------------------------------------------------------- the engine: slots, scheduler, rounds
+
+BUDGETS = [12, 5, 9, 16, 7]  # requests finish at different rounds: slots free up and are taken again
+
+
+def engine_for(pair, mode, max_batch=3, capacity=96, tree_size=12, **kw):
+    from treeflash_runtime.backends.slots import SlotRunner
+    from treeflash_runtime.serving.engine import Engine
+
+    tree = TreeConfig(mode=mode, tree_size=tree_size, top_m=3, top_k=3)
+    runner = SlotRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree, **kw)
+    return Engine(runner, prefill_chunk=4)  # prompts go in several chunks, between other slots' rounds
+
+
+def prompts_of(pair):
+    from conftest import PROMPTS
+
+    texts = PROMPTS + ["x = [i * i for i in range(10)]", "Once upon a time"]
+    return [pair.tokenizer(t)["input_ids"] for t in texts]
+
+
+from treeflash_export.config import SamplingConfig, TreeConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", ["treeflash", "marginal", "chain", "ar"])
+def test_every_request_of_a_batch_equals_its_own_greedy_decoding(load, mode):
+    """Five requests through three slots, joining as others leave, prompts prefilled in chunks
+    between rounds: each one's tokens equal transformers' greedy output for it alone."""
+    from conftest import hf_greedy
+
+    from treeflash_runtime.serving.engine import Request
+
+    pair = load("qwen3")
+    engine = engine_for(pair, mode)
+    prompts = prompts_of(pair)
+    requests = [Request(ids, SamplingConfig(max_new_tokens=n, stop_token_ids=())) for ids, n in zip(prompts, BUDGETS)]
+    engine.run(requests)
+    for r, ids, n in zip(requests, prompts, BUDGETS):
+        assert r.state == "finished" and r.stop_reason == "max_new_tokens"
+        assert r.tokens == hf_greedy(pair.verifier, ids, n), (mode, ids)
+    assert engine.scheduler.idle() and not bool(engine.runner.state.active.any())
+    assert max(engine.rounds_by_batch) == 3  # rounds really served three requests at once
+    if mode != "ar":
+        assert max(max(r.accept_lengths) for r in requests) >= 1
+
+
+def test_a_sampled_request_does_not_depend_on_its_neighbours_or_the_tree(load):
+    """Keyed sampling: a request's tokens are a function of its prompt, settings and seed; alone,
+    among others (greedy and sampled, other seeds), and even in plain decoding, they are the same."""
+    from treeflash_runtime.serving.engine import Request
+
+    pair = load("qwen3")
+    prompts = prompts_of(pair)
+    wanted = SamplingConfig(max_new_tokens=14, temperature=0.9, top_p=0.95, seed=11, stop_token_ids=())
+
+    def tokens_of(mode, neighbours):
+        engine = engine_for(pair, mode)
+        me = Request(prompts[1], wanted)
+        others = [Request(prompts[i], SamplingConfig(max_new_tokens=6 + i, temperature=0.7 * (i % 2), seed=i,
+                                                     stop_token_ids=())) for i in (0, 2, 3, 4)][:neighbours]
+        engine.run(others[:1] + [me] + others[1:])
+        return me.tokens
+
+    alone = tokens_of("treeflash", 0)
+    assert len(alone) == 14
+    assert tokens_of("treeflash", 4) == alone
+    assert tokens_of("marginal", 2) == alone
+    assert tokens_of("ar", 3) == alone  # the same noise at the same positions: plain decoding's tokens
+    other_seed = SamplingConfig(max_new_tokens=14, temperature=0.9, top_p=0.95, seed=12, stop_token_ids=())
+    engine = engine_for(pair, "treeflash")
+    assert engine.run([Request(prompts[1], other_seed)])[0].tokens != alone
+
+
+def test_cancelled_and_refused_requests_free_their_slots(load):
+    from treeflash_export.errors import ConfigError
+    from treeflash_runtime.serving.engine import Request
+
+    pair = load("qwen3")
+    engine = engine_for(pair, "treeflash", max_batch=2, capacity=64)
+    prompts = prompts_of(pair)
+    with pytest.raises(ConfigError, match="ask for at most"):
+        engine.submit(Request(prompts[0], SamplingConfig(max_new_tokens=200)))
+    seen = []
+
+    def stop_after_two(tokens, seen=seen):
+        seen.extend(tokens)
+        return len(seen) >= 2  # as a stop word or a closed stream does
+
+    short = Request(prompts[0], SamplingConfig(max_new_tokens=10, stop_token_ids=()), on_tokens=stop_after_two)
+    cancelled = Request(prompts[2], SamplingConfig(max_new_tokens=10, stop_token_ids=()))
+    later = Request(prompts[3], SamplingConfig(max_new_tokens=6, stop_token_ids=()))
+    engine.cancel(cancelled)
+    engine.run([short, cancelled, later])
+    assert short.stop_reason == "stopped" and len(short.tokens) >= 2
+    assert cancelled.state == "cancelled" and cancelled.tokens == []
+    assert later.state == "finished" and len(later.tokens) == 6
+    assert engine.scheduler.idle()

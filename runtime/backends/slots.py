@@ -1,0 +1,269 @@
+"""PyTorch backend for many requests at once: request slots served by one batched round.
+
+The round state gains a slot axis: per slot its verifier and drafter caches (side by side on the
+caches' sequence axis, slot m at m * S), its committed length, root, pending drafter context,
+output row, sampling settings and an active flag. One round drafts (one drafter pass for all
+slots), expands and builds each slot's tree, verifies all trees in one verifier pass (slots x N
+nodes, each slot attending to its own cache up to its own length), and accepts and commits per
+slot in fixed shapes; the host reads back one [slots, B + 1] buffer.
+
+Slots are kept packed (the occupied ones are 0..occupied-1; ``release`` moves the last one into a
+freed slot), so a round over the first b slots serves everyone, and b is a bucket: on CUDA each
+(bucket, tree size) round is captured once as a graph. A slot still being prefilled, or left idle
+inside a bucket, is inactive: the round computes it but changes none of its state.
+
+Sampling is keyed (treeflash_runtime.sampling.choose_tokens_keyed): a request's tokens depend on
+its prompt, settings and seed only, whatever shares its rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_export.errors import ConfigError
+from treeflash_export.tree import Tree, chain_tree
+
+from ..sampling import accept, choose_tokens_keyed
+from .base import allocate_caches
+from .torch_backend import PREFILL_CHUNK, TorchRunner
+
+
+@dataclass
+class SlotState:
+    """M = slots, S' = per-slot cache slots (capacity + spare), B = block, F = feature width.
+
+    kv [L, 2, Hkv, M * S', D], draft_kv [Ld, 2, Hkv, M * S', D]: slot m's caches at m * S'..
+    past_len [M] int64, root [M] int64, pending [M, B, F], pending_count [M] int64: as DeviceState, per slot
+    out [M, B + 1] int64: out[m, 0] tokens gained by slot m in the last call, then the tokens
+    active [M] bool: the round advances this slot (False: idle, or still being prefilled)
+    temperature [M] float32, top_p [M] float32, seed [M] int64: the slot's request's sampling
+    """
+
+    kv: torch.Tensor
+    draft_kv: torch.Tensor | None
+    past_len: torch.Tensor
+    root: torch.Tensor
+    pending: torch.Tensor
+    pending_count: torch.Tensor
+    out: torch.Tensor
+    active: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+
+
+class SlotRunner(TorchRunner):
+    """Up to ``max_batch`` requests served together. The tree settings are the deployment's
+    (``tree``, resolved); ``tree_size_by_batch`` may give a smaller tree size for larger buckets."""
+
+    name = "torch"
+
+    def __init__(self, verifier_hf, drafter=None, *, max_batch: int, capacity: int, tree: TreeConfig,
+                 tree_size_by_batch: dict[int, int] | None = None, cuda_graphs: bool = True,
+                 fast_kernels: bool | None = None, log=None):
+        if max_batch < 1:
+            raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
+        self.max_batch = int(max_batch)
+        super().__init__(verifier_hf, drafter, capacity=capacity, cuda_graphs=cuda_graphs, fast_kernels=fast_kernels,
+                         log=log)
+        if tree.mode != "ar":
+            if self.block_size < 2:
+                raise ConfigError(f"mode {tree.mode!r} needs a drafter; this runner has none (use mode 'ar')")
+            tree.validate(block_size=self.block_size, vocab_size=self.vocab_size, has_head=self.has_head)
+        self.tree = tree.resolved(self.block_size)
+        self.buckets = bucket_sizes(self.max_batch)
+        self.tree_by_bucket = tree_sizes_by_bucket(self.buckets, self.tree, tree_size_by_batch or {})
+        self.path_len = 1 if self.tree.mode == "ar" else min(max(self.tree_by_bucket.values()), self.block_size)
+
+    # ------------------------------------------------------------------ state
+
+    def _allocate(self) -> SlotState:
+        v, dev, M = self.verifier, self.device, self.max_batch
+        self.slot_size = self.capacity + max(PREFILL_CHUNK, self.block_size)
+        shapes = {"verifier cache": (v.num_layers, 2, v.num_kv_heads, M * self.slot_size, v.head_dim)}
+        if self.drafter is not None:
+            c = self.drafter.cfg
+            shapes["drafter cache"] = (c.num_layers, 2, c.num_kv_heads, M * self.slot_size, c.head_dim)
+        caches = allocate_caches(shapes, self.dtype, dev, self.capacity, slots=M)
+        feat = len(v.tap_layer_ids) * v.hidden_size
+        zeros = torch.zeros(M, dtype=torch.long, device=dev)
+        return SlotState(
+            kv=caches["verifier cache"], draft_kv=caches.get("drafter cache"), past_len=zeros.clone(),
+            root=zeros.clone(), pending=torch.zeros(M, self.block_size, feat, dtype=self.dtype, device=dev),
+            pending_count=zeros.clone(), out=torch.zeros(M, self.block_size + 1, dtype=torch.long, device=dev),
+            active=torch.zeros(M, dtype=torch.bool, device=dev),
+            temperature=torch.zeros(M, dtype=torch.float32, device=dev),
+            top_p=torch.ones(M, dtype=torch.float32, device=dev), seed=zeros.clone(),
+        )
+
+    def _slot_range(self, cache: torch.Tensor | None, slot: int) -> torch.Tensor | None:
+        """One slot's caches [L, 2, Hkv, S', D], a view."""
+        return None if cache is None else cache.narrow(3, slot * self.slot_size, self.slot_size)
+
+    def _first(self, cache: torch.Tensor | None, b: int) -> torch.Tensor | None:
+        """The first b slots' caches [L, 2, Hkv, b * S', D], a view."""
+        return None if cache is None else cache.narrow(3, 0, b * self.slot_size)
+
+    # ------------------------------------------------------------------ admission, release
+
+    @torch.inference_mode()
+    def admit(self, slot: int, sampling: SamplingConfig) -> None:
+        """Slot ``slot`` takes a new request: its length and context start at 0, its sampling is set,
+        and it stays inactive until its prefill is done."""
+        st = self.state
+        st.past_len[slot] = 0
+        st.pending_count[slot] = 0
+        st.out[slot] = 0
+        st.active[slot] = False
+        st.temperature[slot] = float(sampling.temperature)
+        st.top_p[slot] = float(sampling.top_p)
+        st.seed[slot] = int(sampling.seed)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, tokens: torch.Tensor, last: bool) -> int | None:
+        """The next chunk of slot ``slot``'s prompt (tokens [c] on the device) into its caches. On the
+        last chunk the slot turns active and its first new token is returned (else None)."""
+        st = self.state
+        count = torch.tensor(tokens.shape[0], device=self.device)  # eager prefill: a host value is fine here
+        kv, dkv = self._slot_range(st.kv, slot), self._slot_range(st.draft_kv, slot)
+        P = st.past_len[slot]
+        n = tokens.shape[0]
+        ids = torch.arange(n, device=self.device)
+        causal = ids[:, None] >= ids[None, :]
+        logits, feats = self.verifier.forward_cached(tokens, P + ids, causal, kv, P, key_bound=0,
+                                                     logit_rows=(count - 1).reshape(1))
+        if self.drafter is not None:
+            self.drafter.model.forward_cached(feats, P, count, None, dkv)
+        st.past_len[slot] += count
+        if not last:
+            return None
+        first = choose_tokens_keyed(logits[None], st.temperature[slot:slot + 1], st.top_p[slot:slot + 1],
+                                    st.seed[slot:slot + 1], st.past_len[slot].reshape(1, 1),
+                                    bool(st.temperature[slot] > 0))[0]
+        st.root[slot] = first[0]
+        st.active[slot] = True
+        return int(first[0])
+
+    @torch.inference_mode()
+    def release(self, slot: int, occupied: int) -> int | None:
+        """Frees ``slot`` of ``occupied`` packed slots. The last occupied slot (if another) moves into
+        it, caches and all; returns that slot's old index (None when nothing moved)."""
+        st, last = self.state, occupied - 1
+        moved = None
+        if slot != last:
+            for cache in (st.kv, st.draft_kv):
+                if cache is not None:
+                    self._slot_range(cache, slot).copy_(self._slot_range(cache, last))
+            for t in (st.past_len, st.root, st.pending, st.pending_count, st.out, st.active, st.temperature, st.top_p,
+                      st.seed):
+                t[slot] = t[last]
+            moved = last
+        st.active[last] = False
+        st.past_len[last] = 0
+        st.pending_count[last] = 0
+        return moved
+
+    # ------------------------------------------------------------------ the batched round
+
+    def bucket_for(self, occupied: int) -> int:
+        return next(b for b in self.buckets if b >= occupied)
+
+    @torch.inference_mode()
+    def step(self, occupied: int, sampling: bool) -> list[list[int]]:
+        """One round over the first ``occupied`` slots (run as its bucket); returns each slot's gained
+        tokens (empty for inactive slots). sampling: whether any slot samples."""
+        b = self.bucket_for(occupied)
+        self._round_slots(b, self.tree_by_bucket[b], sampling)
+        out = self.state.out[:occupied].tolist()  # the one read-back of the round
+        return [row[1 : 1 + row[0]] for row in out]
+
+    def _round_slots(self, b: int, tree_size: int, sampling: bool) -> None:
+        """draft -> expand -> build trees -> verify -> accept -> commit, for slots 0..b-1."""
+        st, B = self.state, self.block_size
+        kv, dkv = self._first(st.kv, b), self._first(st.draft_kv, b)
+        P, root, active = st.past_len[:b], st.root[:b], st.active[:b]
+        if self.tree.mode == "ar":
+            trees = [chain_tree(root[j:j + 1]) for j in range(b)]
+        else:
+            with self._stage("draft"):
+                block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
+                block = torch.cat([root[:, None], block[:, 1:]], dim=1)
+                count = st.pending_count[:b]
+                z = self.drafter.model.forward_cached(st.pending[:b, : self.path_len], P - count, count,
+                                                      self.verifier.embed_tokens(block), dkv)
+            with self._stage("expand"):
+                cfg = dataclasses.replace(self.tree, tree_size=tree_size)
+                tables = [self.tables(root[j:j + 1], z[j], cfg) for j in range(b)]
+            with self._stage("tree"):
+                trees = [self.build_tree(t, root[j:j + 1], tree_size) for j, t in enumerate(tables)]
+        tokens = torch.stack([t.tokens for t in trees])
+        depths = torch.stack([t.depths for t in trees])
+        with self._stage("verify"):
+            logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, torch.stack([t.mask for t in trees]),
+                                                         kv, P)
+            y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + depths + 1,
+                                    sampling)
+        with self._stage("accept"):
+            for j, tree in enumerate(trees):
+                self._commit_slot(j, tree, y[j], feats[j], active[j])
+
+    def _commit_slot(self, j: int, tree: Tree, y: torch.Tensor, feats: torch.Tensor, active: torch.Tensor) -> None:
+        """TorchRunner.commit for slot j, in fixed shapes; an inactive slot keeps its state (its cache
+        past its length may change: nothing reads it before it is written again)."""
+        st, L = self.state, min(self.path_len, tree.size)
+        path, tau, bonus = accept(tree, y, L)
+        base = j * self.slot_size + st.past_len[j]
+        slots = base + torch.arange(L, device=self.device)
+        for cache in (st.kv,):
+            cache.index_copy_(3, slots, cache.index_select(3, base + path))
+        tau = torch.where(active, tau, torch.zeros_like(tau))
+        st.pending[j, :L] = torch.where(active, feats[path], st.pending[j, :L])
+        st.pending_count[j] = torch.where(active, tau, st.pending_count[j])
+        gained = torch.cat([tree.tokens[path[1:]], bonus.reshape(1)])
+        gained = torch.where(torch.arange(L, device=self.device) == tau - 1, bonus, gained)
+        st.out[j, :1] = tau
+        st.out[j, 1 : 1 + L] = gained
+        st.past_len[j] += tau
+        st.root[j] = torch.where(active, bonus, st.root[j])
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """The slot counts rounds are captured for: 1, 2, 4, ... and max_batch itself."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def tree_sizes_by_bucket(buckets: list[int], tree: TreeConfig, table: dict[int, int]) -> dict[int, int]:
+    """Each bucket's tree size: the entry of ``table`` (batch size -> N) with the largest batch size
+    at most the bucket's, else the deployment's tree size; never more than it."""
+    out = {}
+    for b in buckets:
+        fits = [n for size, n in table.items() if size <= b]
+        n = fits[-1] if fits else tree.tree_size
+        if tree.mode in ("chain", "ar"):
+            n = tree.tree_size  # a chain's length is the block's; plain decoding has one node
+        out[b] = min(n, tree.tree_size)
+    return out
+
+
+def parse_tree_size_by_batch(text: str) -> dict[int, int]:
+    """'1:64,4:32,16:16' -> {1: 64, 4: 32, 16: 16} (batch sizes ascending)."""
+    table = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        size, sep, n = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            table[int(size)] = int(n)
+        except ValueError:
+            raise ConfigError(f"--tree-size-by-batch: {item!r} is not BATCH:TREE_SIZE (e.g. 1:64,4:32,16:16)") from None
+        if int(size) < 1 or int(n) < 2:
+            raise ConfigError(f"--tree-size-by-batch: {item!r} needs a batch size >= 1 and a tree size >= 2")
+    return dict(sorted(table.items()))

@@ -1,0 +1,168 @@
+"""The engine loop: each step admits, prefills one chunk, runs one batched round over the occupied
+slots, streams every running request's new tokens and retires the finished ones.
+
+``run`` serves a list of requests to the end (offline batches, the in-process benchmark);
+``start`` runs the loop in a background thread that serves requests submitted from other
+threads (the Triton model's ``execute``), as the Triton vLLM backend does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from treeflash_export.errors import ConfigError
+
+from ..loop import Emitter, required_capacity
+from .scheduler import CANCELLED, DONE, FAILED, FINISHED, RUNNING, Request, Scheduler
+
+
+class Engine:
+    def __init__(self, runner, prefill_chunk: int = 256):
+        """runner: a backends.slots.SlotRunner (its max_batch is the number of slots)."""
+        self.runner = runner
+        self.scheduler = Scheduler(runner.max_batch, prefill_chunk)
+        self._emitters: dict[int, Emitter] = {}
+        self.rounds_by_batch: dict[int, int] = {}  # running slots in a round -> rounds run so far
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ requests
+
+    def check(self, request: Request) -> None:
+        """A request that cannot run is refused before it takes a slot (one error for it alone)."""
+        request.sampling.validate()
+        n = len(request.prompt_ids)
+        if n < 1:
+            raise ConfigError("the prompt is empty")
+        tree_size = max(self.runner.tree_by_bucket.values())
+        need = required_capacity(n, request.sampling.max_new_tokens, tree_size)
+        if need > self.runner.capacity:
+            most = self.runner.capacity - n + 1 - tree_size
+            raise ConfigError(f"prompt ({n}) + max new tokens ({request.sampling.max_new_tokens}) + tree ({tree_size}) "
+                              f"needs {need} cache slots but a slot holds {self.runner.capacity}: "
+                              + (f"ask for at most {most} tokens" if most >= 1 else "shorten the prompt"))
+
+    def submit(self, request: Request) -> Request:
+        self.check(request)
+        with self._lock:
+            self.scheduler.submit(request)
+            self._lock.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Ends the request at the next step; its slot goes to the next request."""
+        request.cancel_requested = True
+        with self._lock:
+            self._lock.notify()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> bool:
+        """One engine step; False when there was nothing to do."""
+        with self._lock:
+            admitted = self.scheduler.admit()
+        sched, runner = self.scheduler, self.runner
+        for request in admitted:
+            if request.state == CANCELLED:
+                self._finish(request, CANCELLED, "cancelled")
+                continue
+            runner.admit(request.slot, request.sampling)
+            self._emitters[id(request)] = Emitter(request.sampling, request.on_tokens)
+        for request in [r for r in sched.slots if r.cancel_requested]:
+            self._retire(request, CANCELLED, "cancelled")
+        chunk = sched.next_prefill()
+        if chunk is not None:
+            request = chunk.request
+            ids = torch.tensor(request.prompt_ids[chunk.start : chunk.end], dtype=torch.long, device=runner.device)
+            first = runner.prefill(request.slot, ids, chunk.last)
+            request.prefilled = chunk.end
+            if chunk.last:
+                request.state = RUNNING
+                request.first_token_at = time.perf_counter()
+                self._emit(request, [first])
+        running = sched.running()
+        if running:
+            sampling = any(r.sampling.temperature > 0 for r in running)
+            gained = runner.step(sched.occupied, sampling)
+            self.rounds_by_batch[len(running)] = self.rounds_by_batch.get(len(running), 0) + 1
+            for request in running:
+                request.accept_lengths.append(len(gained[request.slot]))
+                self._emit(request, gained[request.slot])
+        for request in sorted((r for r in sched.slots if r.stop_reason), key=lambda r: -r.slot):
+            self._retire(request, FINISHED, request.stop_reason)
+        return bool(admitted or chunk is not None or running)
+
+    def _emit(self, request: Request, tokens: list[int]) -> None:
+        emitter = self._emitters[id(request)]
+        request.token_times.append(time.perf_counter())
+        if emitter.emit(tokens):
+            request.stop_reason = emitter.reason
+        request.tokens = emitter.tokens
+
+    def _retire(self, request: Request, state: str, reason: str) -> None:
+        slot, occupied = self.scheduler.retire(request)
+        self.runner.release(slot, occupied)
+        self._emitters.pop(id(request), None)
+        self._finish(request, state, reason)
+
+    def _finish(self, request: Request, state: str, reason: str) -> None:
+        request.state, request.stop_reason = state, reason
+        if request.on_done is not None:
+            request.on_done(request)
+
+    def run(self, requests: list[Request], progress=None) -> list[Request]:
+        """Serves these requests to the end, in this thread. progress(request) after each one ends."""
+        for request in requests:
+            if progress is not None:
+                request.on_done = _then(request.on_done, progress)
+            self.submit(request)
+        while not all(r.done for r in requests):
+            if not self.step():
+                raise RuntimeError("internal error: the engine stalled with requests left")
+        return requests
+
+    # ------------------------------------------------------------------ background serving
+
+    def start(self) -> None:
+        """The loop in a daemon thread: it sleeps while there is nothing to do."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._serve, name="treeflash-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        with self._lock:
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _serve(self) -> None:
+        while not self._stopping:
+            with self._lock:
+                while self.scheduler.idle() and not self._stopping:
+                    self._lock.wait()
+            if self._stopping:
+                break
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 a failed step fails its requests, never the server
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _fail_all(self, message: str) -> None:
+        for request in list(self.scheduler.slots):
+            request.error = message
+            self._retire(request, FAILED, "error")
+
+
+def _then(first, second):
+    def both(request):
+        if first is not None:
+            first(request)
+        second(request)
+    return both
