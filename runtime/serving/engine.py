@@ -74,8 +74,8 @@ class Engine:
             self._emitters[id(request)] = Emitter(request.sampling, request.on_tokens)
         for request in [r for r in sched.slots if r.cancel_requested]:
             self._retire(request, CANCELLED, "cancelled")
-        chunk = sched.next_prefill()
-        if chunk is not None:
+        chunks = sched.prefills()
+        for chunk in chunks:
             request = chunk.request
             ids = torch.tensor(request.prompt_ids[chunk.start : chunk.end], dtype=torch.long, device=runner.device)
             first = runner.prefill(request.slot, ids, chunk.last)
@@ -84,7 +84,7 @@ class Engine:
                 request.state = RUNNING
                 request.first_token_at = time.perf_counter()
                 self._emit(request, [first])
-        running = sched.running()
+        running = [r for r in sched.running() if not r.stop_reason]  # a first token may already end one
         if running:
             sampling = any(r.sampling.temperature > 0 for r in running)
             gained = runner.step(sched.occupied, sampling)
@@ -94,7 +94,7 @@ class Engine:
                 self._emit(request, gained[request.slot])
         for request in sorted((r for r in sched.slots if r.stop_reason), key=lambda r: -r.slot):
             self._retire(request, FINISHED, request.stop_reason)
-        return bool(admitted or chunk is not None or running)
+        return bool(admitted or chunks or running)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         emitter = self._emitters[id(request)]

@@ -91,13 +91,13 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def next_prefill(self) -> PrefillChunk | None:
-        """The next chunk of the oldest prompt still being prefilled (one per step)."""
-        for request in self.slots:
-            if request.state == PREFILLING:
-                end = min(request.prefilled + self.prefill_chunk, len(request.prompt_ids))
-                return PrefillChunk(request, request.prefilled, end)
-        return None
+    def prefills(self) -> list[PrefillChunk]:
+        """This step's prefill chunks: the next chunk of the oldest prompt still being prefilled
+        while others run (so their rounds wait for one chunk at most), or of every such prompt
+        when none runs (nobody waits)."""
+        chunks = [PrefillChunk(r, r.prefilled, min(r.prefilled + self.prefill_chunk, len(r.prompt_ids)))
+                  for r in self.slots if r.state == PREFILLING]
+        return chunks if not self.running() else chunks[:1]
 
     def running(self) -> list[Request]:
         return [r for r in self.slots if r.state == RUNNING]
