@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -90,9 +91,20 @@ class _Streamer:
                    "(see treeflash-export triton-repo); the model, tree and cache are the server's.")
 @click.option("--server-protocol", type=click.Choice(["grpc", "http"]), default="grpc",
               help="grpc: streamed as rounds are accepted; http: one response (Triton's generate endpoint).")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), default=None,
+              help="Many prompts, one JSON object a line: \"prompt\" and optionally max_new_tokens, temperature, "
+                   "top_p, seed (else the options'). Served together with in-flight batching on the torch backend "
+                   "(one after another on the others); with --json, one object per line in input order.")
+@click.option("--max-batch", type=int, default=8,
+              help="--prompts-file on the torch backend: requests served at once (request slots, each with its own "
+                   "--max-seq-len cache, all allocated up front).")
+@click.option("--tree-size-by-batch", default="", metavar="B:N,...",
+              help="--prompts-file: a smaller tree when more requests share a round, e.g. 1:64,4:32,8:16 (the "
+                   "largest batch size not above the round's slot bucket applies).")
 def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
          drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
-         backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol):
+         backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol,
+         prompts_file, max_batch, tree_size_by_batch):
     """Generate text from a verifier with TreeFlash tree speculative decoding.
 
     Greedy output (--temperature 0) is token for token the verifier's own greedy
@@ -107,10 +119,25 @@ def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
 
 def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
          drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
-         backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol):
+         backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol,
+         prompts_file, max_batch, tree_size_by_batch):
     requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
                      drafter_temperature=drafter_temperature)
-    SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed).validate()
+    defaults = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    defaults.validate()
+    lines = by_batch = None
+    if prompts_file is not None:  # every line checked before any model loads
+        from .backends.slots import parse_tree_size_by_batch
+        from .offline import read_prompts_file
+
+        if prompt is not None or server is not None:
+            raise TreeFlashError("--prompts-file replaces --prompt" + (" and does not run on --server" if server else ""))
+        if max_batch < 1:
+            raise TreeFlashError(f"--max-batch must be >= 1, got {max_batch}")
+        lines = read_prompts_file(prompts_file, defaults)
+        by_batch = parse_tree_size_by_batch(tree_size_by_batch)
+    elif tree_size_by_batch:
+        raise TreeFlashError("--tree-size-by-batch applies to --prompts-file (and to triton-repo --backend torch)")
     if server is not None:
         local = dict(model=model, drafter=drafter, artifacts=artifacts, chat=chat, max_seq_len=max_seq_len,
                      **requested, backend=backend != "torch", device=device != "auto", dtype=dtype != "auto")
@@ -130,7 +157,8 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         raise TreeFlashError("--artifacts replaces --model and --drafter: pass one or the other")
     if max_seq_len is not None and max_seq_len < 2:
         raise TreeFlashError(f"--max-seq-len {max_seq_len} is too small")
-    prompt = _read_prompt(prompt)
+    if lines is None:
+        prompt = _read_prompt(prompt)
 
     from transformers.utils import logging as hf_logging
 
@@ -140,36 +168,36 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     t_load = time.perf_counter()
+    batch = dict(max_batch=max_batch, tree_size_by_batch=by_batch) if lines is not None and backend == "torch" else {}
     if artifacts is None:
         tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
         sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
                                         device, dtype, log=lambda m: click.echo(m, err=True), cuda_graphs=cuda_graphs,
-                                        compile_steps=compile_steps, fast_kernels=_ON_OFF[fast_kernels])
+                                        compile_steps=compile_steps, fast_kernels=_ON_OFF[fast_kernels], **batch)
     else:
         sess = session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend,
                                       device=device, dtype=dtype, verify_checksums=verify_checksums,
                                       cuda_graphs=cuda_graphs, compile_steps=compile_steps,
-                                      fast_kernels=_ON_OFF[fast_kernels], log=lambda m: click.echo(m, err=True))
+                                      fast_kernels=_ON_OFF[fast_kernels], log=lambda m: click.echo(m, err=True),
+                                      **batch)
     load_s = time.perf_counter() - t_load  # checkpoints read, caches allocated
     tree, runner, tok = sess.tree, sess.runner, sess.tokenizer
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            raise TreeFlashError("--chat: this tokenizer has no chat template")
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-    else:
-        ids = tok(prompt, add_special_tokens=True)["input_ids"]
-    stops = set(stop_token_ids) | (set() if ignore_eos else set(sess.stop_token_ids))
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                              stop_token_ids=tuple(sorted(stops)))
+    if chat and not getattr(tok, "chat_template", None):
+        raise TreeFlashError("--chat: this tokenizer has no chat template")
+    stops = tuple(sorted(set(stop_token_ids) | (set() if ignore_eos else set(sess.stop_token_ids))))
+    resolved = tree.resolved(runner.block_size)
+    common = {"mode": resolved.mode, "backend": runner.name, "load_s": load_s, "load_stages_s": sess.load_stages_s,
+              "tree_size": resolved.tree_size, "top_m": resolved.top_m, "top_k": resolved.top_k,
+              "device": str(runner.device), "dtype": sess.dtype, "artifacts": artifacts}
+    if lines is not None:
+        return _run_lines(sess, lines, stops, lambda text: _encode(tok, text, chat), common, as_json)
+    ids = _encode(tok, prompt, chat)
+    sampling = dataclasses.replace(defaults, stop_token_ids=stops)
     streamer = None if as_json else _Streamer(tok, sys.stdout)
     result = generate(runner, ids, tree, sampling, on_tokens=streamer)
     text = tok.decode(result.token_ids, skip_special_tokens=True)
     s = result.stats
     if as_json:
-        resolved = tree.resolved(runner.block_size)
         payload = {
             "text": text, "token_ids": result.token_ids, "mode": s.mode, "backend": s.backend,
             "rounds": s.rounds, "accept_lengths": s.accept_lengths, "mean_accepted": s.mean_accepted,
@@ -190,6 +218,41 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
             f"{s.mean_accepted:.2f} tokens/round, {s.tokens_per_s:.1f} tok/s ({result.stop_reason})",
             err=True,
         )
+
+
+def _encode(tok, text: str, chat: bool) -> list[int]:
+    if not chat:
+        return tok(text, add_special_tokens=True)["input_ids"]
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+
+
+def _run_lines(sess, lines, stops, encode, common, as_json) -> None:
+    """--prompts-file: all lines through the engine (or one by one), then the results in input order."""
+    from tqdm import tqdm
+
+    from .offline import run_prompt_lines
+
+    lines = [dataclasses.replace(line, sampling=dataclasses.replace(line.sampling, stop_token_ids=stops))
+             for line in lines]
+    if not hasattr(sess.runner, "max_batch"):
+        click.echo(f"note: the {sess.runner.name} backend serves one sequence at a time: the prompts run one after "
+                   f"another", err=True)
+    t0 = time.perf_counter()
+    with tqdm(total=len(lines), desc="requests", unit="req", file=sys.stderr, leave=False) as bar:
+        results = run_prompt_lines(sess, lines, encode, bar.update)
+    elapsed = time.perf_counter() - t0
+    for line, r in zip(lines, results):
+        text = sess.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+        if as_json:
+            payload = {"text": text, **r, **common, "first_token_s": common["load_s"] + r["prefill_s"], "line": line.line}
+            sys.stdout.write(json.dumps(payload) + "\n")
+        else:
+            sys.stdout.write(f"--- line {line.line} ({r['new_tokens']} tokens, {r['stop_reason']})\n{text}\n")
+    total = sum(r["new_tokens"] for r in results)
+    click.echo(f"[{common['mode']}/{common['backend']}] {len(results)} prompts, {total} tokens in {elapsed:.2f} s, "
+               f"{total / elapsed if elapsed else 0.0:.1f} tok/s in all", err=True)
 
 
 def _read_prompt(prompt: str | None) -> str:

@@ -38,7 +38,8 @@ def default_pair(log=None) -> tuple[str, str]:
 def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeConfig, capacity: int,
                              backend: str = "torch", device: str = "auto", dtype: str = "auto",
                              log=None, cuda_graphs: bool = True, compile_steps: bool = False,
-                             fast_kernels: bool | None = None) -> Session:
+                             fast_kernels: bool | None = None, max_batch: int = 0,
+                             tree_size_by_batch: dict[int, int] | None = None) -> Session:
     """model None: SmolLM2-135M-Instruct (converted on first use, progress through ``log``, which
     also reports CUDA graph captures) with ``drafter``, or with the demo drafter when that is None
     too."""
@@ -62,8 +63,17 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
     pair = load_pair(model, drafter if tree.mode != "ar" else None, dtype=torch_dtype, device=dev, check=check,
                      log=log)
     t0 = time.perf_counter()
-    runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity, cuda_graphs=cuda_graphs,
-                                       compile=compile_steps, fast_kernels=fast_kernels, log=log)
+    if max_batch:  # request slots served together (in-flight batching)
+        from .backends.slots import SlotRunner
+
+        if compile_steps:
+            raise TreeFlashError("--compile does not apply with --max-batch (request slots run their own rounds)")
+        runner = SlotRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree,
+                            tree_size_by_batch=tree_size_by_batch, cuda_graphs=cuda_graphs, fast_kernels=fast_kernels,
+                            log=log)
+    else:
+        runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity, cuda_graphs=cuda_graphs,
+                                           compile=compile_steps, fast_kernels=fast_kernels, log=log)
     stages = {**pair.seconds, "runner": time.perf_counter() - t0}  # runner: caches allocated
     return Session(runner, pair.tokenizer, tree, tuple(eos_token_ids(pair.tokenizer, pair.verifier)),
                    str(torch_dtype).replace("torch.", ""), stages)
@@ -72,7 +82,8 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
 def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | None = None,
                            backend: str = "onnxruntime", device: str = "auto", dtype: str = "auto",
                            verify_checksums: bool = True, cuda_graphs: bool = True,
-                           compile_steps: bool = False, fast_kernels: bool | None = None, log=None) -> Session:
+                           compile_steps: bool = False, fast_kernels: bool | None = None, log=None,
+                           max_batch: int = 0, tree_size_by_batch: dict[int, int] | None = None) -> Session:
     """requested: tree settings given by the user (None = take the artifact's); mode 'ar' is
     plain decoding over the artifact's verify graph."""
     from treeflash_export.export.artifact import check_tree_request, load_artifact
@@ -96,7 +107,8 @@ def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | N
         src = art.manifest["sources"]
         sess = session_from_checkpoints(src["verifier"], src["drafter"], tree, art.shapes.capacity, "torch",
                                         device, art.dtype, log=log, cuda_graphs=cuda_graphs,
-                                        compile_steps=compile_steps, fast_kernels=fast_kernels)
+                                        compile_steps=compile_steps, fast_kernels=fast_kernels,
+                                        max_batch=max_batch, tree_size_by_batch=tree_size_by_batch)
         return Session(sess.runner, tok, tree, art.stop_token_ids, art.dtype, {**stages, **sess.load_stages_s})
     cls = get_runner_class(backend)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 from treeflash_export.errors import ConfigError
 
 from ..loop import Emitter, required_capacity
-from .scheduler import CANCELLED, DONE, FAILED, FINISHED, RUNNING, Request, Scheduler
+from .scheduler import CANCELLED, FAILED, FINISHED, RUNNING, Request, Scheduler
 
 
 class Engine:

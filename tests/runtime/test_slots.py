@@ -189,3 +189,57 @@ def test_cancelled_and_refused_requests_free_their_slots(load):
     assert cancelled.state == "cancelled" and cancelled.tokens == []
     assert later.state == "finished" and len(later.tokens) == 6
     assert engine.scheduler.idle()
+
+
+# ---------------------------------------------------------------- treeflash-run --prompts-file
+
+
+def _run_cli(args):
+    from click.testing import CliRunner
+
+    from treeflash_runtime.cli import main
+
+    return CliRunner().invoke(main, args)
+
+
+def test_prompts_file_serves_every_line_in_order_equal_to_single_runs(pair_dirs, tmp_path):
+    import json
+
+    from conftest import PROMPTS
+
+    d = pair_dirs["qwen3"]
+    lines = [{"prompt": PROMPTS[0], "max_new_tokens": 9}, {"prompt": PROMPTS[1]},
+             {"prompt": PROMPTS[2], "max_new_tokens": 5, "temperature": 0.8, "seed": 3}]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")  # a blank line is skipped
+    base = ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--tree-size", "12", "--top-m", "3",
+            "--top-k", "3", "--max-seq-len", "96", "--max-new-tokens", "7", "--ignore-eos", "--json"]
+    r = _run_cli(base + ["--prompts-file", str(f), "--max-batch", "2", "--tree-size-by-batch", "2:8"])
+    assert r.exit_code == 0, r.output
+    out = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [o["line"] for o in out] == [1, 2, 3] and [o["new_tokens"] for o in out] == [9, 7, 5]
+    for o, line in zip(out[:2], lines[:2]):  # greedy lines equal a single treeflash-run of that prompt
+        single = _run_cli(base + ["--prompt", line["prompt"], "--max-new-tokens", str(line.get("max_new_tokens", 7))])
+        assert single.exit_code == 0, single.output
+        want = json.loads(single.stdout)
+        assert o["token_ids"] == want["token_ids"] and o["text"] == want["text"]
+        assert {"rounds", "accept_lengths", "tokens_per_s", "prefill_s", "first_token_s", "stop_reason"} <= set(o)
+    assert out[2]["temperature"] == 0.8 and out[2]["seed"] == 3
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"prompt": "a"}\n{"prompt": "b", "max_new_tokens": 0}\n', ":2: --max-new-tokens must be >= 1"),
+    ('{"prompt": "a"}\nnot json\n', ":2: not JSON"),
+    ('["a"]\n', ":1: a line must be a JSON object"),
+    ('{"prompt": "a", "temp": 1}\n', ":1: unknown field 'temp'"),
+    ('{"max_new_tokens": 4}\n', ':1: no "prompt"'),
+    ('{"prompt": "a", "seed": "x"}\n', ":1: 'seed' must be a number"),
+    ("\n", "holds no prompt"),
+])
+def test_a_malformed_prompts_file_is_one_line_naming_file_and_line(tmp_path, content, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    r = _run_cli(["--model", str(tmp_path / "never-loaded"), "--drafter", str(tmp_path), "--prompts-file", str(f)])
+    assert r.exit_code == 2
+    assert r.stderr.startswith("error: ") and message in r.stderr and str(f) in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
