@@ -83,8 +83,15 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--server", default=None, metavar="HOST:PORT",
               help="Instead: time to first token and inter-token latency in process (ONNX Runtime over "
                    "--artifacts) vs through this Triton server's treeflash model (serving the same artifact).")
-@click.option("--concurrency", type=int, default=8, help="With --server: concurrent streams of the load row.")
-@click.option("--requests", type=int, default=16, help="With --server: distinct prompts per row.")
+@click.option("--concurrency", default=None, metavar="C,...",
+              help="In process (without --server): serve --requests distinct prompts through the in-flight "
+                   "batching engine at each of these concurrencies (e.g. 1,4,8; torch backend) and report "
+                   "tokens/s, time to first token, inter-token latency and whether outputs match concurrency 1. "
+                   "With --server: the concurrent streams of the load row (the largest given). [default with "
+                   "--server: 8]")
+@click.option("--requests", type=int, default=16, help="With --concurrency or --server: distinct prompts per row.")
+@click.option("--tree-size-by-batch", default="", metavar="B:N,...",
+              help="With --concurrency: a smaller tree when more requests share a round (see treeflash-run).")
 @click.option("--random-weights", "preset", default=None, type=click.Choice(sorted(PRESETS)),
               help="Instead: time rounds and plain steps of a random-weight pair at this model's shapes, built "
                    "on the device (no download), against the weight-reading floor.")
@@ -106,7 +113,8 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
                    "are on, else eagerly and synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
-         concurrency, requests, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype, cuda_graphs, compile_steps, fast_kernels, stages):
+         concurrency, requests, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
+         cuda_graphs, compile_steps, fast_kernels, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
     Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
@@ -119,8 +127,14 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
         return
     tree_sizes = tree_sizes or str(TreeConfig.tree_size)
     if server is not None:
-        _serving_main(artifacts, server, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens, concurrency,
+        levels = [int(c) for c in _split(concurrency or "8")]
+        _serving_main(artifacts, server, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens, max(levels),
                       requests, as_json)
+        return
+    if concurrency is not None:
+        _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, list(prompts) or list(DEFAULT_PROMPTS),
+                       max_new_tokens, ignore_eos, max_seq_len, device, concurrency, requests, tree_size_by_batch,
+                       cuda_graphs, as_json)
         return
     try:
         source = (("heldout", heldout_prompts, prompt_tokens, heldout_domain) if heldout_prompts
@@ -158,6 +172,36 @@ def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds
         label, message = next(iter(report["failed"].items()))
         click.echo(f"error: the {label} path failed: {message.splitlines()[0]}", err=True)
         sys.exit(1)
+
+
+def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, prompts, max_new_tokens, ignore_eos,
+                   max_seq_len, device, concurrency, requests, tree_size_by_batch, cuda_graphs, as_json):
+    from ..backends.slots import parse_tree_size_by_batch
+    from ..factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
+    from .batching import format_batching_report, run_batching_bench
+    from .server import distinct_prompts
+
+    try:
+        levels = [int(c) for c in _split(concurrency)]
+        if requests < 1:
+            raise TreeFlashError("--requests must be >= 1")
+        mode = _split(modes)[0] if modes else None
+        by_batch = parse_tree_size_by_batch(tree_size_by_batch)
+        log = lambda m: click.echo(m, err=True)  # noqa: E731
+        batch = dict(max_batch=max(levels), tree_size_by_batch=by_batch)
+        if artifacts:
+            sess = session_from_artifacts(artifacts, {} if mode is None else {"mode": mode}, backend="torch",
+                                          device=device, cuda_graphs=cuda_graphs, log=log, **batch)
+        else:
+            tree = TreeConfig(mode=mode or "treeflash", tree_size=int(_split(tree_sizes)[0]), top_m=top_m, top_k=top_k)
+            sess = session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, "torch", device,
+                                            cuda_graphs=cuda_graphs, log=log, **batch)
+        ids = [sess.tokenizer(p)["input_ids"] for p in distinct_prompts(prompts, requests)]
+        report = run_batching_bench(sess, ids, levels, max_new_tokens, () if ignore_eos else sess.stop_token_ids)
+    except (TreeFlashError, ValueError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else format_batching_report(report))
 
 
 def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, requests, as_json):

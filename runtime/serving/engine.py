@@ -20,10 +20,11 @@ from .scheduler import CANCELLED, FAILED, FINISHED, RUNNING, Request, Scheduler
 
 
 class Engine:
-    def __init__(self, runner, prefill_chunk: int = 256):
-        """runner: a backends.slots.SlotRunner (its max_batch is the number of slots)."""
+    def __init__(self, runner, prefill_chunk: int = 256, max_active: int | None = None):
+        """runner: a backends.slots.SlotRunner; max_active: requests served at once (default and at
+        most its max_batch, the number of slots)."""
         self.runner = runner
-        self.scheduler = Scheduler(runner.max_batch, prefill_chunk)
+        self.scheduler = Scheduler(min(max_active or runner.max_batch, runner.max_batch), prefill_chunk)
         self._emitters: dict[int, Emitter] = {}
         self.rounds_by_batch: dict[int, int] = {}  # running slots in a round -> rounds run so far
         self._lock = threading.Condition()

@@ -243,3 +243,24 @@ def test_a_malformed_prompts_file_is_one_line_naming_file_and_line(tmp_path, con
     assert r.exit_code == 2
     assert r.stderr.startswith("error: ") and message in r.stderr and str(f) in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_concurrency_rows_report_latency_and_identical_outputs(pair_dirs):
+    import json
+
+    from click.testing import CliRunner
+
+    from treeflash_runtime.bench.cli import main
+
+    d = pair_dirs["qwen3"]
+    r = CliRunner().invoke(main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--concurrency",
+                                  "1,3", "--requests", "5", "--max-new-tokens", "6", "--tree-sizes", "8", "--top-m", "2",
+                                  "--top-k", "2", "--ignore-eos", "--max-seq-len", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert [(row["where"], row["concurrency"], row["requests"], row["tokens"]) for row in report["rows"]] == [
+        ("in_process", 1, 5, 30), ("in_process", 3, 5, 30)]
+    for row in report["rows"]:
+        assert row["tokens_per_s"] > 0 and row["identical_outputs"] is True and row["tokens_per_round"] >= 1
+        assert set(row["ttft_ms"]) == set(row["itl_ms"]) == {"mean", "p50", "p90"}
+    assert report["identical_outputs"] is True and report["max_batch"] == 3

@@ -1,0 +1,97 @@
+"""`treeflash-bench --concurrency 1,4,8 --requests R`: the same R distinct prompts served in process
+through the in-flight batching engine at each concurrency (C clients, each sending its next request
+when its last one ends), side by side in one run.
+
+Per row: aggregate tokens per second over the row's wall time; per request, time to first token
+(submission -> first token) and inter-token latency (first -> last token over the tokens after the
+first), as mean/p50/p90; tokens per round; and whether every request's tokens equal its tokens at
+concurrency 1 (greedy: they must).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from treeflash_export.config import SamplingConfig
+from treeflash_export.errors import TreeFlashError
+
+
+def summary_ms(values: list[float]) -> dict:
+    a = np.asarray(values, dtype=np.float64) * 1e3
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}
+
+
+def serve_closed_loop(engine, prompts: list[list[int]], sampling: SamplingConfig, concurrency: int):
+    """Serves every prompt with at most `concurrency` in flight; returns (requests, wall seconds)."""
+    from ..serving.engine import Request
+
+    requests = [Request(ids, sampling) for ids in prompts]
+    queue = iter(requests)
+
+    def next_one(_=None):
+        request = next(queue, None)
+        if request is not None:
+            request.on_done = next_one
+            request.submitted_at = time.perf_counter()
+            engine.submit(request)
+
+    t0 = time.perf_counter()
+    for _ in range(concurrency):
+        next_one()
+    while not all(r.done for r in requests):
+        if not engine.step():
+            raise TreeFlashError("internal error: the engine stalled with requests left")
+    return requests, time.perf_counter() - t0
+
+
+def batching_row(requests, wall_s: float, concurrency: int, reference) -> dict:
+    ttft = [r.first_token_at - r.submitted_at for r in requests]
+    itl = [(r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1) for r in requests if len(r.tokens) > 1]
+    lengths = [n for r in requests for n in r.accept_lengths]
+    tokens = sum(len(r.tokens) for r in requests)
+    return {"where": "in_process", "concurrency": concurrency, "requests": len(requests), "tokens": tokens,
+            "tokens_per_s": tokens / wall_s, "ttft_ms": summary_ms(ttft), "itl_ms": summary_ms(itl or [0.0]),
+            "tokens_per_round": sum(lengths) / len(lengths) if lengths else 0.0,
+            "identical_outputs": reference is None or all(r.tokens == ref for r, ref in zip(requests, reference))}
+
+
+def run_batching_bench(sess, prompts: list[list[int]], concurrency: list[int], max_new_tokens: int,
+                       stop_token_ids=()) -> dict:
+    from ..serving.engine import Engine
+
+    if not concurrency or min(concurrency) < 1:
+        raise TreeFlashError("--concurrency takes batch sizes >= 1, e.g. 1,4,8")
+    runner = sess.runner
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+    serve_closed_loop(Engine(runner), prompts[:1], sampling, 1)  # warm-up
+    rows, reference = [], None
+    for c in sorted(set(concurrency)):
+        requests, wall = serve_closed_loop(Engine(runner, max_active=c), prompts, sampling, c)
+        rows.append(batching_row(requests, wall, c, reference))
+        if reference is None:
+            reference = [r.tokens for r in requests]
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["ratio_to_first"] = row["tokens_per_s"] / base
+    return {"rows": rows, "identical_outputs": all(r["identical_outputs"] for r in rows), "requests": len(prompts),
+            "max_new_tokens": max_new_tokens, "mode": runner.tree.mode, "tree_by_bucket": runner.tree_by_bucket,
+            "device": str(runner.device), "max_batch": runner.max_batch}
+
+
+def format_batching_report(report: dict) -> str:
+    head = (f"{'where':<11} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(report['rows'][0]['concurrency']):>6} "
+            f"{'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} {'tok/round':>9} {'same':>5}")
+    lines = [head, "-" * len(head)]
+    for r in report["rows"]:
+        t, i = r["ttft_ms"], r["itl_ms"]
+        ttft = f"{t['mean']:.1f}/{t['p50']:.1f}/{t['p90']:.1f}"
+        itl = f"{i['mean']:.2f}/{i['p50']:.2f}/{i['p90']:.2f}"
+        lines.append(f"{r['where']:<11} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
+                     f"{r['ratio_to_first']:>6.2f} {ttft:>22} {itl:>21} {r['tokens_per_round']:>9.2f} "
+                     f"{str(r['identical_outputs']):>5}")
+    lines.append(f"mode {report['mode']}, {report['requests']} requests of {report['max_new_tokens']} new tokens, "
+                 f"tree size by slot bucket {report['tree_by_bucket']}, on {report['device']}; outputs identical to "
+                 f"concurrency {report['rows'][0]['concurrency']}: {report['identical_outputs']}")
+    return "\n".join(lines)
