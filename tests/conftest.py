@@ -100,3 +100,24 @@ def make_inputs(B, M, H, I, V, dtype=torch.float32, device="cpu", seed=0):
     from treeflash_kernels.bench import make_problem
 
     return make_problem(B, M, H, I, V, dtype, device, seed, norm_eps=1e-5)
+
+
+def write_turn_pair(src, dst, token: int):
+    """A copy of the pair folder ``src`` at ``dst`` whose verifier writes <|im_end|> wherever it wrote
+    ``token``: the rows of the two in its LM head are swapped. Where ``token`` is the first occurrence of a
+    token in a greedy continuation that never writes <|im_end|>, every earlier argmax is unchanged (the
+    logit <|im_end|> now gets was below each of them) and the verifier itself ends its turn there."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    im_end = AutoTokenizer.from_pretrained(str(src / "verifier")).convert_tokens_to_ids("<|im_end|>")
+    shutil.copytree(src, dst)
+    weights = dst / "verifier" / "model.safetensors"
+    state = load_file(str(weights))
+    head = state["lm_head.weight"].clone()
+    head[[token, im_end]] = head[[im_end, token]]
+    state["lm_head.weight"] = head
+    save_file(state, str(weights), metadata={"format": "pt"})
+    return dst

@@ -221,17 +221,22 @@ def _runner(backend, mode, small_vocab_pair, small_vocab_artifacts):
 
 
 SAMPLING_CASES = [
-    # (backend, mode, temperature, top_p): every mode on both backends, top-p 1 and < 1 on each
+    # (backend, mode, temperature, top_p): every mode on both backends, top-p 1 and < 1 on each (12 cases)
     ("torch", "treeflash", 1.0, 1.0),
     ("torch", "treeflash", 0.7, 0.8),
+    ("torch", "marginal", 1.0, 1.0),
     ("torch", "marginal", 1.0, 0.9),
     ("torch", "chain", 1.0, 1.0),
     ("torch", "chain", 0.8, 0.9),
     ("onnxruntime", "treeflash", 1.0, 1.0),
     ("onnxruntime", "treeflash", 1.2, 0.9),
     ("onnxruntime", "marginal", 1.0, 1.0),
+    ("onnxruntime", "marginal", 1.0, 0.8),
+    ("onnxruntime", "chain", 1.0, 1.0),
     ("onnxruntime", "chain", 1.0, 0.9),
 ]
+assert sorted({(b, m, p < 1) for b, m, _, p in SAMPLING_CASES}) == sorted(itertools.product(
+    ("torch", "onnxruntime"), ("treeflash", "marginal", "chain"), (False, True)))  # no combination missing
 
 
 @pytest.mark.parametrize("backend,mode,temperature,top_p", SAMPLING_CASES)

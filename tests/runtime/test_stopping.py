@@ -10,8 +10,7 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import PROMPTS, hf_greedy
-from safetensors.torch import load_file, save_file
+from conftest import PROMPTS, hf_greedy, write_turn_pair
 
 from treeflash_export.checkpoints import eos_token_ids, load_pair
 from treeflash_runtime.cli import main as run_main
@@ -52,14 +51,7 @@ def turn_pair(pair_dirs, greedy, tmp_path_factory):
     earlier argmax is unchanged, since T's logit was below each of them)."""
     _, _, ref = greedy
     j = next(i for i in range(4, NEW) if ref[i] not in ref[:i])
-    root = tmp_path_factory.mktemp("turn") / "pair"
-    shutil.copytree(pair_dirs["qwen3"], root)
-    weights = root / "verifier" / "model.safetensors"
-    state = load_file(str(weights))
-    head = state["lm_head.weight"].clone()
-    head[[ref[j], IM_END]] = head[[IM_END, ref[j]]]
-    state["lm_head.weight"] = head
-    save_file(state, str(weights), metadata={"format": "pt"})
+    root = write_turn_pair(pair_dirs["qwen3"], tmp_path_factory.mktemp("turn") / "pair", ref[j])
     return root, j
 
 

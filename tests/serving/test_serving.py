@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import PROMPTS
+from conftest import PROMPTS, hf_greedy, write_turn_pair
 
 from treeflash_export.export.artifact import MANIFEST, file_table, load_artifact
 from treeflash_export.cli import main as export_main
@@ -377,15 +377,62 @@ def test_run_cli_server_errors_are_one_line(server, protocol, message):
 
 # ---------------------------------------------------------------- a real tritonserver
 
+TURN_MODEL = "treeflash_turn"  # the second model of the served repository: a verifier that ends its turn
+
+
+@dataclasses.dataclass
+class Turn:
+    artifact: object
+    tokenizer: object
+    im_end: int
+    j: int  # the verifier writes <|im_end|> as its (j + 1)-th new token for PROMPTS[0]
+    greedy: list  # its own greedy continuation, NEW tokens, through transformers
+    plain: list  # the unchanged verifier's greedy continuation
+
 
 @pytest.fixture(scope="module")
-def server(artifact, tmp_path_factory, request):
+def turn(pair_dirs, tmp_path_factory):
+    """The qwen3 pair whose verifier writes <|im_end|> at index j >= 4 of its greedy continuation of PROMPTS[0]
+    (LM-head rows swapped, see conftest.write_turn_pair), built as the served artifact is."""
+    from treeflash_export.checkpoints import load_pair
+
+    pair = load_pair(str(pair_dirs["qwen3"] / "verifier"), None)
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    im_end = pair.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ref = hf_greedy(pair.verifier, ids, NEW)
+    assert im_end not in ref and pair.tokenizer.eos_token_id not in ref  # the plain pair does not stop
+    j = next(i for i in range(4, NEW - 4) if ref[i] not in ref[:i])
+    root = write_turn_pair(pair_dirs["qwen3"], tmp_path_factory.mktemp("turn") / "pair", ref[j])
+    turned = load_pair(str(root / "verifier"), None)
+    greedy = hf_greedy(turned.verifier, ids, NEW)
+    assert greedy[: j + 1] == ref[:j] + [im_end]
+    out = build(str(root / "verifier"), str(root / "drafter"), root.parent / "art",
+                BuildConfig(mode="treeflash", max_seq_len=CAPACITY, prefill_chunk=16, **TREE), validate=False,
+                log=lambda m: None)
+    art = load_artifact(out)
+    assert im_end in art.manifest["stop_token_ids"]  # the default stop set holds the end-of-turn token
+    return Turn(art, pair.tokenizer, im_end, j, greedy, ref)
+
+
+def _add_model(repo, name, artifact, work):
+    """``artifact``'s treeflash model as model ``name`` of the repository ``repo`` (one server serves both)."""
+    other = write_triton_repo(artifact.root, work / f"{name}-repo", log=lambda m: None)
+    shutil.move(str(other / "treeflash"), str(repo / name))
+    config = repo / name / "config.pbtxt"
+    text = config.read_text()
+    assert text.count('name: "treeflash"\n') == 1
+    config.write_text(text.replace('name: "treeflash"\n', f'name: "{name}"\n'))
+
+
+@pytest.fixture(scope="module")
+def server(artifact, turn, tmp_path_factory, request):
     if not HAVE_SERVER:
         pytest.skip("nvidia-pytriton / tritonclient are not installed (pip install 'treeflash-export[serve]')")
     from treeflash_runtime.serving.local_server import start_local_server
 
     work = tmp_path_factory.mktemp("tritonserver")
     repo = write_triton_repo(artifact.root, work / "repo", instances=2, log=lambda m: None)
+    _add_model(repo, TURN_MODEL, turn.artifact, work)
     srv = start_local_server(repo, work)
     failed = request.session.testsfailed
     yield srv
@@ -592,3 +639,28 @@ def test_run_cli_stop_token_and_ignore_eos_through_the_server(server, reference)
     assert json.loads(r.stdout)["token_ids"] == ref["token_ids"]
     r = CliRunner().invoke(run_main, [*args, "--stop-token-id", "5", "--stop-token-id", "6"])
     assert r.exit_code == 2 and r.stderr == "error: --server takes one --stop-token-id (the request's end_id)\n"
+
+
+@pytest.mark.tritonserver
+def test_a_request_stops_where_the_verifier_ends_its_turn_through_the_server(server, turn):
+    """A request without end_id ends at the <|im_end|> the verifier writes (the default stop set), streamed
+    and not over gRPC and over HTTP: the tokens up to it, it included, and the text before it; end_id -1
+    runs past it to max_tokens with the verifier's own greedy tokens."""
+    from treeflash_runtime.serving.client import generate_http, stream_grpc
+
+    want = turn.greedy[: turn.j] + [turn.im_end]
+    text = turn.tokenizer.decode(turn.greedy[: turn.j], skip_special_tokens=True)
+    assert text and len(want) < NEW
+    for stream in (True, False):
+        r = stream_grpc(server.grpc, _inputs(PROMPTS[0], NEW, stream=stream), model=TURN_MODEL)
+        assert (r.token_ids, r.text, r.new_tokens, r.stop_reason) == (want, text, len(want), "stop_token"), stream
+        assert len(r.arrivals) == (r.rounds + 2 if stream else 1)
+    h = generate_http(server.http, _inputs(PROMPTS[0], NEW, stream=False), model=TURN_MODEL)
+    assert (h.token_ids, h.text, h.stop_reason) == (want, text, "stop_token")
+    for stream in (True, False):
+        r = stream_grpc(server.grpc, _inputs(PROMPTS[0], NEW, stream=stream, end_id=-1), model=TURN_MODEL)
+        assert (r.token_ids, r.new_tokens, r.stop_reason) == (turn.greedy, NEW, "max_new_tokens"), stream
+        assert r.text == turn.tokenizer.decode(turn.greedy, skip_special_tokens=True) != text
+    # the repository's first model (the plain verifier) does not stop there
+    r = stream_grpc(server.grpc, _inputs(PROMPTS[0], NEW, stream=True))
+    assert r.token_ids == turn.plain and r.token_ids[: turn.j] == want[:-1] and r.stop_reason == "max_new_tokens"
