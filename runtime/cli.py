@@ -64,9 +64,10 @@ class _Streamer:
 @click.option("--seed", type=int, default=_SAMPLING.seed, help="Seed of the verifier's sampling.")
 @click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
               help="Extra token id that ends generation (repeatable); EOS ids are added unless --ignore-eos.")
-@click.option("--ignore-eos", is_flag=True, help="Do not stop at the tokenizer's / model's EOS tokens.")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the default stop set: the tokenizer's and generation config's EOS ids and the chat template's end-of-turn token.")
 @click.option("--max-seq-len", type=int, default=None,
-              help="KV cache capacity S (prompt + new tokens + tree). [default: 2048, or the artifact's]")
+              help="KV cache capacity S (prompt + new tokens - 1 + tree nodes must fit). [default: 2048, or the "
+                   "artifact's]")
 @click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default="torch",
               help="Runtime backend; onnxruntime and tensorrt run an artifact folder.")
 @click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
