@@ -247,20 +247,29 @@ def random_pair_cmd(preset, out, device, dtype, seed):
 @main.command("triton-repo")
 @click.argument("artifact_dir", type=click.Path(file_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Model repository folder to write.")
-@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "torch"]), default="auto",
               help="What the treeflash model runs the loop on. auto: tensorrt for artifacts built with "
-                   "--target tensorrt, else onnxruntime (CPU).")
+                   "--target tensorrt, else onnxruntime (CPU); these serve one generation at a time per "
+                   "instance. torch: the artifact's source checkpoints on the PyTorch backend with in-flight "
+                   "batching (many requests per instance, on its GPU, or on the CPU of a CPU server).")
 @click.option("--instances", type=int, default=1,
-              help="Instances per model (each serves one generation at a time and holds its own caches).")
+              help="Instances per model (each holds its own caches and copy of the model; with --backend torch, "
+                   "one per GPU is the usual choice).")
+@click.option("--max-batch", type=int, default=8,
+              help="--backend torch: requests one instance serves at once (request slots, caches allocated up "
+                   "front).")
+@click.option("--tree-size-by-batch", default="", metavar="B:N,...",
+              help="--backend torch: a smaller tree when more requests share a round, e.g. 1:64,4:32,8:16.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (swapped in only when writing succeeds).")
-def triton_repo_cmd(artifact_dir, out, backend, instances, force):
+def triton_repo_cmd(artifact_dir, out, backend, instances, max_batch, tree_size_by_batch, force):
     """Write a Triton Inference Server model repository for ARTIFACT_DIR: a decoupled `treeflash`
     model that streams generations (TensorRT-LLM's request names), and one tensorrt_plan model per
     engine for TensorRT artifacts. Checks the artifact's checksums first."""
     from .export.triton_repo import write_triton_repo
 
     try:
-        path = write_triton_repo(artifact_dir, out, backend=backend, instances=instances, force=force,
+        path = write_triton_repo(artifact_dir, out, backend=backend, instances=instances, max_batch=max_batch,
+                                 tree_size_by_batch=tree_size_by_batch, force=force,
                                  log=lambda m: click.echo(m, err=True))
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)

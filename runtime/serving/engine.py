@@ -73,7 +73,7 @@ class Engine:
                 continue
             runner.admit(request.slot, request.sampling)
             self._emitters[id(request)] = Emitter(request.sampling, request.on_tokens)
-        for request in [r for r in sched.slots if r.cancel_requested]:
+        for request in [r for r in sched.slots if r.wants_cancel()]:
             self._retire(request, CANCELLED, "cancelled")
         chunks = sched.prefills()
         for chunk in chunks:
@@ -134,6 +134,9 @@ class Engine:
             return
         self._thread = threading.Thread(target=self._serve, name="treeflash-engine", daemon=True)
         self._thread.start()
+
+    def running_in_background(self) -> bool:
+        return self._thread is not None
 
     def stop(self) -> None:
         self._stopping = True

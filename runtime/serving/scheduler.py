@@ -40,6 +40,7 @@ class Request:
     stop_reason: str = ""
     error: str = ""
     cancel_requested: bool = False
+    cancelled_by: Callable[[], bool] | None = None  # polled each step, e.g. the Triton stream's is_cancelled
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each round's tokens arrived
@@ -47,6 +48,11 @@ class Request:
     @property
     def done(self) -> bool:
         return self.state in DONE
+
+    def wants_cancel(self) -> bool:
+        if not self.cancel_requested and self.cancelled_by is not None and self.cancelled_by():
+            self.cancel_requested = True
+        return self.cancel_requested
 
 
 @dataclass
@@ -82,7 +88,7 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.slots) < self.max_batch:
             request = self.waiting.popleft()
-            if request.cancel_requested:
+            if request.wants_cancel():
                 request.state = CANCELLED
                 admitted.append(request)  # the engine reports it done; it holds no slot
                 continue

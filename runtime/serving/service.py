@@ -9,6 +9,7 @@ of that request; the model keeps serving.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -153,6 +154,34 @@ class _Progress:
                 "mean_accepted": (self.tokens - 1) / rounds if rounds else 0.0}
 
 
+class _Stream:
+    """One request's replies: text pieces and tokens as rounds arrive (streamed), stop words, and
+    the final reply with the statistics."""
+
+    def __init__(self, req: Request, tokenizer, send: Callable[[Reply], None]):
+        self.req, self.send = req, send
+        self.text, self.progress = IncrementalText(tokenizer, req.stop_words), _Progress()
+
+    def on_tokens(self, new: list[int]) -> bool:
+        """New tokens; True when a stop word ends the request."""
+        before = len(self.text.tokens)
+        piece = self.text.add(new)
+        kept = self.text.tokens[before:]  # after a stop word: only the tokens up to it
+        self.progress.calls += 1
+        self.progress.tokens += len(kept)
+        if self.req.stream:
+            self.send(Reply(piece, kept, **self.progress.stats()))
+        return self.text.stopped
+
+    def finish(self, stop_reason: str) -> Reply:
+        rest, text, stats = self.text.flush(), self.text, self.progress.stats()
+        final = Reply(rest if self.req.stream else text.text, [] if self.req.stream else list(text.tokens),
+                      len(text.tokens), stats["rounds"], stats["mean_accepted"],
+                      "stop_word" if text.stopped else stop_reason, final=True)
+        self.send(final)
+        return final
+
+
 @dataclass
 class Service:
     """One loaded session serving requests one at a time."""
@@ -184,9 +213,8 @@ class Service:
                                f"slots but this model's cache holds {S}: ask for at most "
                                f"{S - prompt_len + 1 - N} tokens")
 
-    def handle(self, inputs: dict[str, np.ndarray], send: Callable[[Reply], None]) -> Reply:
-        """Serve one request; ``send`` receives every reply (in streaming mode one per round, then a
-        final one with the statistics; otherwise only the final one, with the whole text)."""
+    def prepare(self, inputs: dict[str, np.ndarray]) -> tuple[Request, list[int], SamplingConfig]:
+        """A request's tensors -> (the request, its prompt ids, its sampling), or a RequestError."""
         req = parse_request(inputs)
         sess = self.session
         ids = sess.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
@@ -201,22 +229,70 @@ class Service:
             sampling.validate()
         except ConfigError as exc:  # its messages name the CLI options: give the input names instead
             raise RequestError(str(exc).replace("--top-p", "top_p").replace("--", "")) from None
-        text, progress = IncrementalText(sess.tokenizer, req.stop_words), _Progress()
+        return req, ids, sampling
 
-        def on_tokens(new: list[int]) -> bool:
-            before = len(text.tokens)
-            piece = text.add(new)
-            kept = text.tokens[before:]  # after a stop word: only the tokens up to it
-            progress.calls += 1
-            progress.tokens += len(kept)
-            if req.stream:
-                send(Reply(piece, kept, **progress.stats()))
-            return text.stopped
+    def handle(self, inputs: dict[str, np.ndarray], send: Callable[[Reply], None]) -> Reply:
+        """Serve one request; ``send`` receives every reply (in streaming mode one per round, then a
+        final one with the statistics; otherwise only the final one, with the whole text)."""
+        req, ids, sampling = self.prepare(inputs)
+        stream = _Stream(req, self.session.tokenizer, send)
+        result = generate(self.session.runner, ids, self.session.tree, sampling, on_tokens=stream.on_tokens)
+        return stream.finish(result.stop_reason)
 
-        result = generate(sess.runner, ids, sess.tree, sampling, on_tokens=on_tokens)
-        rest = text.flush()
-        s = result.stats
-        final = Reply(rest if req.stream else text.text, [] if req.stream else list(text.tokens), len(text.tokens),
-                      s.rounds, s.mean_accepted, "stop_word" if text.stopped else result.stop_reason, final=True)
-        send(final)
-        return final
+
+class BatchedService(Service):
+    """A session whose runner has request slots (backends.slots.SlotRunner): requests are handed to
+    the in-flight batching engine, which serves them in a background thread; each streams through
+    its own ``send`` (the Triton model's response sender)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from .engine import Engine
+
+        self.tree_size = max(self.session.runner.tree_by_bucket.values())
+        self.engine = Engine(self.session.runner)
+
+    @classmethod
+    def from_artifact(cls, folder, backend: str = "torch", device: str = "auto", verify_checksums: bool = True, *,
+                      max_batch: int = 8, tree_size_by_batch: dict[int, int] | None = None) -> "BatchedService":
+        return cls(session_from_artifacts(str(folder), {}, backend="torch", device=device,
+                                          verify_checksums=verify_checksums, max_batch=max_batch,
+                                          tree_size_by_batch=tree_size_by_batch))
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    def submit(self, inputs: dict[str, np.ndarray], send: Callable[[Reply], None],
+               on_error: Callable[[str], None], cancelled: Callable[[], bool] | None = None):
+        """Queues one request and returns at once (a bad request raises RequestError here). Its replies
+        go to ``send``; if the engine fails it, ``on_error`` gets the message instead of a final reply."""
+        from .engine import FAILED, Request as EngineRequest
+
+        req, ids, sampling = self.prepare(inputs)
+        stream = _Stream(req, self.session.tokenizer, send)
+
+        def done(r):
+            if r.state == FAILED:
+                on_error(f"internal error: {r.error}")
+            else:
+                stream.finish(r.stop_reason)
+
+        return self.engine.submit(EngineRequest(ids, sampling, on_tokens=stream.on_tokens, on_done=done,
+                                                cancelled_by=cancelled))
+
+    def handle(self, inputs: dict[str, np.ndarray], send: Callable[[Reply], None]) -> Reply:
+        """One request served to the end in this thread (warm-up, tests): through the engine."""
+        finals, errors = [], []
+        request = self.submit(inputs, lambda reply: (send(reply), reply.final and finals.append(reply)), errors.append)
+        while not request.done:
+            if self.engine.running_in_background():
+                time.sleep(0.005)
+            elif not self.engine.step():
+                raise TreeFlashError("internal error: the engine stalled")
+        if errors:
+            raise TreeFlashError(errors[0])
+        return finals[-1]
+

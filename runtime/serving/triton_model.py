@@ -14,7 +14,8 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from treeflash_export.errors import TreeFlashError
-from .service import Service
+
+from .service import BatchedService, Service
 
 
 def _response(reply):
@@ -27,14 +28,31 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         backend = params["backend"]
-        device = f"cuda:{args['model_instance_device_id']}" if backend == "tensorrt" else "cpu"
         folder = Path(args["model_repository"]) / params["artifact"]
-        self.service = Service.from_artifact(folder, backend, device=device,
-                                             verify_checksums=params.get("verify_checksums", "true") == "true")
-        self.service.warm_up()
+        verify = params.get("verify_checksums", "true") == "true"
         self.logger = pb_utils.Logger
+        if backend == "torch":  # in-flight batching on this instance's device: the GPU if there is one
+            import torch
+
+            from ..backends.slots import parse_tree_size_by_batch
+
+            device = f"cuda:{args['model_instance_device_id']}" if torch.cuda.is_available() else "cpu"
+            self.service = BatchedService.from_artifact(
+                folder, device=device, verify_checksums=verify, max_batch=int(params["max_batch"]),
+                tree_size_by_batch=parse_tree_size_by_batch(params.get("tree_size_by_batch", "")))
+            self.service.warm_up()
+            self.service.start()  # the engine loop serves from a background thread from here on
+            return
+        device = f"cuda:{args['model_instance_device_id']}" if backend == "tensorrt" else "cpu"
+        self.service = Service.from_artifact(folder, backend, device=device, verify_checksums=verify)
+        self.service.warm_up()
+
+    def finalize(self):
+        if isinstance(getattr(self, "service", None), BatchedService):
+            self.service.stop()
 
     def execute(self, requests):
+        batched = isinstance(self.service, BatchedService)
         for request in requests:
             sender = request.get_response_sender()
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
@@ -42,8 +60,15 @@ class TritonPythonModel:
             def send(reply, sender=sender):
                 sender.send(_response(reply), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if reply.final else 0)
 
+            def fail(message, sender=sender):
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
             try:
-                self.service.handle(inputs, send)
+                if batched:  # queued for the engine; execute returns at once
+                    self.service.submit(inputs, send, fail, cancelled=getattr(sender, "is_cancelled", None))
+                else:
+                    self.service.handle(inputs, send)
             except TreeFlashError as exc:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -22,6 +22,7 @@ from conftest import PROMPTS, hf_greedy, write_turn_pair
 from treeflash_export.export.artifact import MANIFEST, file_table, load_artifact
 from treeflash_export.cli import main as export_main
 from treeflash_export.export.build import BuildConfig, build
+from treeflash_export.errors import TreeFlashError
 from treeflash_export.export.triton_repo import SERVING_OUTPUTS, write_triton_repo
 from treeflash_runtime.cli import main as run_main
 
@@ -378,6 +379,7 @@ def test_run_cli_server_errors_are_one_line(server, protocol, message):
 # ---------------------------------------------------------------- a real tritonserver
 
 TURN_MODEL = "treeflash_turn"  # the second model of the served repository: a verifier that ends its turn
+BATCHED_MODEL = "treeflash_batched"  # the third: the same artifact on the torch backend, 4 requests in flight
 
 
 @dataclasses.dataclass
@@ -414,9 +416,9 @@ def turn(pair_dirs, tmp_path_factory):
     return Turn(art, pair.tokenizer, im_end, j, greedy, ref)
 
 
-def _add_model(repo, name, artifact, work):
+def _add_model(repo, name, artifact, work, **options):
     """``artifact``'s treeflash model as model ``name`` of the repository ``repo`` (one server serves both)."""
-    other = write_triton_repo(artifact.root, work / f"{name}-repo", log=lambda m: None)
+    other = write_triton_repo(artifact.root, work / f"{name}-repo", log=lambda m: None, **options)
     shutil.move(str(other / "treeflash"), str(repo / name))
     config = repo / name / "config.pbtxt"
     text = config.read_text()
@@ -433,6 +435,7 @@ def server(artifact, turn, tmp_path_factory, request):
     work = tmp_path_factory.mktemp("tritonserver")
     repo = write_triton_repo(artifact.root, work / "repo", instances=2, log=lambda m: None)
     _add_model(repo, TURN_MODEL, turn.artifact, work)
+    _add_model(repo, BATCHED_MODEL, artifact, work, backend="torch", max_batch=4)
     srv = start_local_server(repo, work)
     failed = request.session.testsfailed
     yield srv
@@ -664,3 +667,53 @@ def test_a_request_stops_where_the_verifier_ends_its_turn_through_the_server(ser
     # the repository's first model (the plain verifier) does not stop there
     r = stream_grpc(server.grpc, _inputs(PROMPTS[0], NEW, stream=True))
     assert r.token_ids == turn.plain and r.token_ids[: turn.j] == want[:-1] and r.stop_reason == "max_new_tokens"
+
+
+# ---------------------------------------------------------------- in-flight batching through the server
+
+
+def test_a_torch_repository_batches_in_flight(artifact, tmp_path):
+    """--backend torch: one instance, several requests at once (KIND_MODEL: the instance's GPU when the
+    server has one); the graph backends keep one generation per instance."""
+    from tritonclient.grpc import model_config_pb2 as mc
+    from google.protobuf import text_format
+
+    repo = write_triton_repo(artifact.root, tmp_path / "repo", backend="torch", max_batch=6,
+                             tree_size_by_batch="1:8,4:4", log=lambda m: None)
+    cfg = text_format.Parse((repo / "treeflash" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert {k: v.string_value for k, v in cfg.parameters.items()} == {
+        "backend": "torch", "artifact": "1/artifact", "verify_checksums": "true", "max_batch": "6",
+        "tree_size_by_batch": "1:8,4:4"}
+    assert cfg.instance_group[0].kind == mc.ModelInstanceGroup.KIND_MODEL and cfg.model_transaction_policy.decoupled
+    assert "batches requests in flight" in (repo / "README.md").read_text()
+    with pytest.raises(TreeFlashError, match="--tree-size-by-batch"):
+        write_triton_repo(artifact.root, tmp_path / "bad", backend="torch", tree_size_by_batch="8", log=lambda m: None)
+
+
+@pytest.mark.tritonserver
+def test_the_batched_model_serves_concurrent_streams_and_refuses_a_bad_one(server, reference):
+    """Eight concurrent gRPC streams on one torch instance with four request slots (so requests also
+    wait for slots and take them as others finish), plus a request that cannot fit among them: each good
+    stream equals its own single in-process generation, the bad one gets one error, the model keeps serving."""
+    from treeflash_runtime.serving.client import stream_grpc
+
+    results, errors = {}, {}
+
+    def one(prompt, max_tokens):
+        try:
+            results[prompt] = stream_grpc(server.grpc, _inputs(prompt, max_tokens, stream=True), model=BATCHED_MODEL)
+        except Exception as exc:  # collected, asserted below
+            errors[prompt] = str(exc)
+
+    jobs = [(p, NEW) for p in LOAD_PROMPTS[:8]] + [("a request that asks for too much", 10**6)]
+    threads = [threading.Thread(target=one, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert list(errors) == ["a request that asks for too much"] and "ask for at most" in errors[jobs[-1][0]]
+    for prompt, _ in jobs[:8]:
+        ref = reference(prompt)
+        assert results[prompt].token_ids == ref["token_ids"] and results[prompt].text == ref["text"], prompt
+    again = stream_grpc(server.grpc, _inputs(LOAD_PROMPTS[0], NEW, stream=False), model=BATCHED_MODEL)
+    assert again.token_ids == reference(LOAD_PROMPTS[0])["token_ids"]

@@ -35,7 +35,7 @@ from .graphs import GraphSpec
 MODEL_NAME = "treeflash"
 GRAPHS = ("verify", "draft", "expand")
 ARTIFACT_SUBDIR = "1/artifact"  # inside the treeflash model folder
-BACKENDS = ("auto", "onnxruntime", "tensorrt")
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 
 # dtype names of the I/O specs -> Triton's DataType enum.
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16",
@@ -150,7 +150,10 @@ def plan_model_config(name: str, spec: GraphSpec, instances: int) -> dict:
     }
 
 
-def python_model_config(backend: str, instances: int) -> dict:
+def python_model_config(backend: str, instances: int, max_batch: int = 8, tree_size_by_batch: str = "") -> dict:
+    """backend torch: one instance serves up to max_batch requests at once with in-flight batching
+    (KIND_MODEL: the model takes the instance's GPU when the server has one, else the CPU); the
+    graph backends serve one generation at a time per instance."""
     def tensors(specs):
         return [{"name": s.name, "data_type": PbEnum(TRITON_DTYPES[s.dtype]), "dims": list(s.dims),
                  **({"optional": True} if s.optional else {})} for s in specs]
@@ -162,11 +165,15 @@ def python_model_config(backend: str, instances: int) -> dict:
         "model_transaction_policy": {"decoupled": True},
         "input": tensors(SERVING_INPUTS),
         "output": tensors(SERVING_OUTPUTS),
-        # One generation at a time per instance (each holds its own caches); more instances serve
-        # requests side by side at the cost of one copy of the model each.
-        "instance_group": [{"count": instances, "kind": PbEnum("KIND_GPU" if backend == "tensorrt" else "KIND_CPU")}],
+        # Graph backends: one generation at a time per instance (each holds its own caches); more
+        # instances serve requests side by side at the cost of one copy of the model each. torch:
+        # one instance batches many requests in flight (its execute queues them and returns).
+        "instance_group": [{"count": instances, "kind": PbEnum(
+            {"tensorrt": "KIND_GPU", "torch": "KIND_MODEL"}.get(backend, "KIND_CPU"))}],
         "parameters": [_param("backend", backend), _param("artifact", ARTIFACT_SUBDIR),
-                       _param("verify_checksums", "true")],
+                       _param("verify_checksums", "true")]
+                      + ([_param("max_batch", str(max_batch)), _param("tree_size_by_batch", tree_size_by_batch)]
+                         if backend == "torch" else []),
     }
 
 
@@ -180,6 +187,8 @@ def resolve_backend(art: Artifact, backend: str) -> str:
         raise TreeFlashError(f"unknown --backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         backend = "tensorrt" if target == "tensorrt" else "onnxruntime"
+    if backend == "torch":  # the models over the artifact's source checkpoints (folders or hub ids), any dtype
+        return backend
     if backend == "tensorrt" and target != "tensorrt":
         raise ArtifactError(f"--backend tensorrt needs TensorRT engines, but {art.root} was built with --target "
                             f"{target}: rebuild it with --target tensorrt, or use --backend onnxruntime")
@@ -209,6 +218,12 @@ def server_readme(art: Artifact, backend: str, plan_models: list[str]) -> str:
         f"`{backend}` backend in process, from its own copy of the artifact (`{MODEL_NAME}/{ARTIFACT_SUBDIR}`).",
         "  Its Python backend must import `treeflash_runtime`: install treeflash-export into the Python "
         "environment the server's Python backend uses.",
+        ("  torch: each instance batches requests in flight (`max_batch` parameter: request slots, each "
+         "with its own cache of the artifact's --max-seq-len), on its GPU when the server has one, else on "
+         "the CPU; it serves the artifact's source checkpoints, whose paths the manifest records."
+         if backend == "torch" else
+         "  One generation at a time per instance: more instances serve requests side by side, each with "
+         "its own copy of the model (in-flight batching: `--backend torch`)."),
     ]
     if plan_models:
         trt = art.manifest["versions"].get("tensorrt")
@@ -253,10 +268,15 @@ def _check_whole(path: Path) -> None:
 
 
 def write_triton_repo(artifact_dir: str | Path, out: str | Path, *, backend: str = "auto", instances: int = 1,
-                      force: bool = False, log: Callable[[str], None] = print) -> Path:
+                      max_batch: int = 8, tree_size_by_batch: str = "", force: bool = False,
+                      log: Callable[[str], None] = print) -> Path:
     out = Path(out)
     if instances < 1:
         raise TreeFlashError(f"--instances must be >= 1, got {instances}")
+    if max_batch < 1:
+        raise TreeFlashError(f"--max-batch must be >= 1, got {max_batch}")
+    if tree_size_by_batch and not re.fullmatch(r"\s*\d+\s*:\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*)*,?\s*", tree_size_by_batch):
+        raise TreeFlashError(f"--tree-size-by-batch {tree_size_by_batch!r} is not BATCH:TREE_SIZE,... (e.g. 1:64,4:32)")
     art = load_artifact(artifact_dir)  # checksums first: never publish a corrupted artifact
     backend = resolve_backend(art, backend)
     if out.exists() and not force:
@@ -278,11 +298,12 @@ def write_triton_repo(artifact_dir: str | Path, out: str | Path, *, backend: str
         model = tmp / MODEL_NAME
         (model / "1").mkdir(parents=True)
         written.append(model / "config.pbtxt")
-        written[-1].write_text(to_pbtxt(python_model_config(backend, instances)))
+        written[-1].write_text(to_pbtxt(python_model_config(backend, instances, max_batch, tree_size_by_batch)))
         written.append(model / "1" / "model.py")
         written[-1].write_text(MODEL_PY)
         shutil.copytree(art.root, model / ARTIFACT_SUBDIR, copy_function=_link_or_copy)
-        log(f"    {MODEL_NAME}: decoupled Python model over the {backend} backend")
+        log(f"    {MODEL_NAME}: decoupled Python model over the {backend} backend"
+            + (f", up to {max_batch} requests batched in flight per instance" if backend == "torch" else ""))
         written.append(tmp / "README.md")
         written[-1].write_text(server_readme(art, backend, plan_models))
         for path in written:
