@@ -8,8 +8,9 @@ nodes, each slot attending to its own cache up to its own length), and accepts a
 slot in fixed shapes; the host reads back one [slots, B + 1] buffer.
 
 Slots are kept packed (the occupied ones are 0..occupied-1; ``release`` moves the last one into a
-freed slot), so a round over the first b slots serves everyone, and b is a bucket: on CUDA each
-(bucket, tree size) round is captured once as a graph. A slot still being prefilled, or left idle
+freed slot), so a round over the first b slots serves everyone, and b is a bucket (1, 2, 4, ...,
+max_batch): on CUDA each (bucket, tree size, greedy or sampling) round is captured once as a graph
+and replayed; prefill passes run eagerly, one chunk per engine step. A slot still being prefilled, or left idle
 inside a bucket, is inactive: the round computes it but changes none of its state.
 
 Sampling is keyed (treeflash_runtime.sampling.choose_tokens_keyed): a request's tokens depend on
@@ -19,6 +20,7 @@ its prompt, settings and seed only, whatever shares its rounds.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -177,9 +179,32 @@ class SlotRunner(TorchRunner):
         """One round over the first ``occupied`` slots (run as its bucket); returns each slot's gained
         tokens (empty for inactive slots). sampling: whether any slot samples."""
         b = self.bucket_for(occupied)
-        self._round_slots(b, self.tree_by_bucket[b], sampling)
+        if self.use_graphs:
+            key = ("slots", b, self.tree_by_bucket[b], sampling)
+            if key not in self._graphs:
+                self._capture_round(key)
+            self._graphs[key]()
+        else:
+            self._round_slots(b, self.tree_by_bucket[b], sampling)
         out = self.state.out[:occupied].tolist()  # the one read-back of the round
         return [row[1 : 1 + row[0]] for row in out]
+
+    def _capture_round(self, key: tuple) -> None:
+        """Captures the round for (bucket, tree size, sampling) on first use. Warm-up and capture run
+        real rounds with every slot inactive (their flags put back after), so no request's state moves:
+        an inactive round only writes cache slots past each slot's length and the output rows."""
+        _, b, tree_size, sampling = key
+        st = self.state
+        active = st.active.clone()
+        t0 = time.perf_counter()
+        try:
+            st.active.zero_()
+            self._graphs[key] = self._capture(lambda: self._round_slots(b, tree_size, sampling), (),
+                                              lambda: st.active.zero_())
+        finally:
+            st.active.copy_(active)
+        self.log(f"captured a CUDA graph ({self.tree.mode} N={tree_size}, {b} slots"
+                 f"{', sampling' if sampling else ''}) in {time.perf_counter() - t0:.1f}s")
 
     def _round_slots(self, b: int, tree_size: int, sampling: bool) -> None:
         """draft -> expand -> build trees -> verify -> accept -> commit, for slots 0..b-1."""

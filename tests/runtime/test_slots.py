@@ -264,3 +264,48 @@ def test_bench_concurrency_rows_report_latency_and_identical_outputs(pair_dirs):
         assert row["tokens_per_s"] > 0 and row["identical_outputs"] is True and row["tokens_per_round"] >= 1
         assert set(row["ttft_ms"]) == set(row["itl_ms"]) == {"mean", "p50", "p90"}
     assert report["identical_outputs"] is True and report["max_batch"] == 3
+
+
+# ---------------------------------------------------------------- what CUDA captures, on the CPU
+
+
+@pytest.mark.parametrize("mode", ["treeflash", "chain", "ar"])
+def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load, mode):
+    """The round per bucket that CUDA captures (with every slot inactive during capture, then replayed)
+    run through an eager stand-in: outputs still equal greedy decoding, and the round function uses
+    only device state and its own results (the dispatch-mode spy of test_device_round)."""
+    from conftest import hf_greedy
+    from test_device_round import EagerReplay, HostTensorSpy
+
+    from treeflash_runtime.serving.engine import Request
+
+    pair = load("qwen3")
+    engine = engine_for(pair, mode)
+    runner = engine.runner
+    runner.use_graphs = True
+    captured = []
+    runner._capture = lambda fn, args, reset: captured.append(fn) or EagerReplay(fn, args)
+    prompts = prompts_of(pair)
+    requests = [Request(ids, SamplingConfig(max_new_tokens=n, stop_token_ids=())) for ids, n in zip(prompts, BUDGETS)]
+    engine.run(requests)
+    for r, ids, n in zip(requests, prompts, BUDGETS):
+        assert r.tokens == hf_greedy(pair.verifier, ids, n), (mode, ids)
+    assert {k[:2] for k in runner._graphs} >= {("slots", 1), ("slots", 2)} and len(captured) == len(runner._graphs)
+    st = runner.state
+    known = [t for t in vars(st).values() if isinstance(t, torch.Tensor)]
+    for module in (runner.verifier, runner.drafter):
+        for m in module.modules():
+            known += [t for t in torch.utils._pytree.tree_leaves(vars(m)) if isinstance(t, torch.Tensor)]
+    with torch.inference_mode(), HostTensorSpy(known) as spy:
+        runner._round_slots(3, runner.tree_by_bucket[3], True)
+    assert spy.host_made == []
+
+
+def test_slot_caches_that_do_not_fit_are_one_line_naming_max_batch(load):
+    from treeflash_export.errors import ConfigError
+    from treeflash_runtime.backends.slots import SlotRunner
+
+    pair = load("qwen3")
+    with pytest.raises(ConfigError, match=r"caches for --max-seq-len 100000000 x --max-batch 64 need [\d.]+ GiB .* "
+                                          r"is free on cpu: lower --max-seq-len or --max-batch"):
+        SlotRunner(pair.verifier, pair.drafter, max_batch=64, capacity=10**8, tree=TreeConfig(tree_size=8))
