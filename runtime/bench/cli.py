@@ -108,13 +108,16 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--fast-kernels", type=click.Choice(["auto", "on", "off", "both"]), default="auto",
               help="With --random-weights: the project's fast kernels on or off (see treeflash-run "
                    "--fast-kernels), or both side by side in one run.")
+@click.option("--batch-sizes", default="", metavar="B,...",
+              help="With --random-weights: also time the request-slot runner's rounds (in-flight batching) at "
+                   "these batch sizes for every tree setting, e.g. 1,4,8,16 (round time against slots x N).")
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (inside the CUDA graph where graphs "
                    "are on, else eagerly and synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
          concurrency, requests, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
-         cuda_graphs, compile_steps, fast_kernels, stages):
+         cuda_graphs, compile_steps, fast_kernels, batch_sizes, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
     Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
@@ -123,7 +126,7 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
     """
     if preset is not None:
         _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
-                     device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json)
+                     device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json, batch_sizes)
         return
     tree_sizes = tree_sizes or str(TreeConfig.tree_size)
     if server is not None:
@@ -152,7 +155,7 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
 
 
 def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
-                 device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json):
+                 device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json, batch_sizes=""):
     from .random_weights import format_random_report, run_random_bench
 
     try:
@@ -163,7 +166,7 @@ def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds
             tokens_per_round=tokens_per_round, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
             compile_steps=compile_steps, stages=stages,
             fast_kernels={"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}[fast_kernels],
-            log=lambda m: click.echo(m, err=True))
+            batch_sizes=tuple(int(b) for b in _split(batch_sizes)), log=lambda m: click.echo(m, err=True))
     except (TreeFlashError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

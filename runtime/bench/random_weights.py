@@ -121,7 +121,7 @@ def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, st
 def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: int, warmup: int, top_m: int,
                      top_k: int, tokens_per_round: float, device: str, dtype: str, cuda_graphs: bool,
                      stages: bool, compile_steps: bool = False, fast_kernels: tuple[bool | None, ...] = (None,),
-                     seed: int = 0, log=None) -> dict:
+                     seed: int = 0, batch_sizes: tuple[int, ...] = (), log=None) -> dict:
     from treeflash_export.checkpoints import parse_dtype, pick_device
     from treeflash_export.presets import random_pair, weight_bytes
     from treeflash_kernels.bench import measure_bandwidth
@@ -194,6 +194,14 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
             del runner
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+    batch_rows = []
+    if batch_sizes:
+        try:
+            batch_rows = _time_batches(verifier, drafter, configs, sorted(set(batch_sizes)), prompts[0], rounds, warmup,
+                                       capacity, cuda_graphs, fast_kernels[0], log)
+        except Exception as exc:  # noqa: BLE001 the single-sequence rows above stay
+            failed["batched"] = f"{type(exc).__name__}: {exc}"[:2000]
+            log(f"  batched rows failed: {failed['batched'].splitlines()[0]}")
     short = min(prompt_lengths)
     by = {(r["fast_kernels"], r["mode"], r["tree_size"], r["prompt_tokens"]): r for r in rows}
     for r in rows:
@@ -205,8 +213,42 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
         "bandwidth_gbps": bw / 1e9, "weights_gb": {k: v / 1e9 for k, v in gb.items()},
         "floor_ms": floor_ms("ar"), "tokens_per_round_assumed": tokens_per_round, "rounds_timed": rounds,
         "startup_s": {"build_pair": build_s, "runner": runner_s, "capture_graphs": capture_s}, "rows": rows,
-        "failed": failed,
+        "batch_rows": batch_rows, "failed": failed,
     }
+
+
+def _time_batches(verifier, drafter, configs, batch_sizes, prompt, rounds, warmup, capacity, cuda_graphs,
+                  fast_kernels, log) -> list[dict]:
+    """Round time of the request-slot runner (in-flight batching) at each batch size and tree setting:
+    b slots all running the same prompt, rounds timed after warm-up; against its own batch of one."""
+    from ..backends.slots import SlotRunner
+
+    out = []
+    for tree in configs:
+        base = None
+        for b in batch_sizes:
+            runner = SlotRunner(verifier, drafter, max_batch=b, capacity=capacity, tree=tree, cuda_graphs=cuda_graphs,
+                                fast_kernels=fast_kernels, log=log)
+            for slot in range(b):
+                runner.admit(slot, SamplingConfig())
+                runner.prefill(slot, prompt, last=True)
+            for _ in range(warmup + 1):  # the first also captures the bucket's graph
+                runner.step(b, False)
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                runner.step(b, False)
+            _sync(runner.device)
+            ms = 1e3 * (time.perf_counter() - t0) / rounds
+            base = base or ms
+            out.append({"batch": b, "mode": tree.mode, "tree_size": tree.tree_size, "nodes": b * tree.tree_size,
+                        "prompt_tokens": int(prompt.shape[0]), "ms_per_round": ms, "ratio_to_batch_1": ms / base,
+                        "fast_kernels": runner.fast_kernels})
+            log(f"  batch {b} {tree.mode} N={tree.tree_size}: {ms:.2f} ms per round")
+            del runner
+            if prompt.is_cuda:
+                torch.cuda.empty_cache()
+    return out
 
 
 def format_random_report(rep: dict) -> str:
@@ -235,5 +277,11 @@ def format_random_report(rep: dict) -> str:
         if "stages_ms" in r:
             lines.append(f"         stages ({r['stages_how']}): " +
                          ", ".join(f"{k} {v:.2f} ms" for k, v in r["stages_ms"].items()))
+    if rep.get("batch_rows"):
+        head = f"{'batch':>5} {'mode':<10} {'N':>4} {'nodes':>6} {'ms/round':>9} {'x batch 1':>9}"
+        lines += ["", "request slots (in-flight batching), prompt "
+                  f"{rep['batch_rows'][0]['prompt_tokens']}:", head, "-" * len(head)]
+        lines += [f"{r['batch']:>5} {r['mode']:<10} {r['tree_size']:>4} {r['nodes']:>6} {r['ms_per_round']:>9.3f} "
+                  f"{r['ratio_to_batch_1']:>8.2f}x" for r in rep["batch_rows"]]
     lines += [f"FAILED ({label}): {msg}" for label, msg in rep.get("failed", {}).items()]
     return "\n".join(lines)

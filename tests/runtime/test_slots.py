@@ -309,3 +309,15 @@ def test_slot_caches_that_do_not_fit_are_one_line_naming_max_batch(load):
     with pytest.raises(ConfigError, match=r"caches for --max-seq-len 100000000 x --max-batch 64 need [\d.]+ GiB .* "
                                           r"is free on cpu: lower --max-seq-len or --max-batch"):
         SlotRunner(pair.verifier, pair.drafter, max_batch=64, capacity=10**8, tree=TreeConfig(tree_size=8))
+
+
+def test_random_weights_bench_times_rounds_by_batch_size():
+    from treeflash_runtime.bench.random_weights import format_random_report, run_random_bench
+
+    rep = run_random_bench("tiny", modes=["treeflash"], tree_sizes=[8], prompt_lengths=[16], rounds=2, warmup=1,
+                           top_m=2, top_k=2, tokens_per_round=2.0, device="cpu", dtype="auto", cuda_graphs=True,
+                           stages=False, batch_sizes=(1, 3))
+    assert [(r["batch"], r["mode"], r["tree_size"], r["nodes"]) for r in rep["batch_rows"]] == [
+        (1, "ar", 1, 1), (3, "ar", 1, 3), (1, "treeflash", 8, 8), (3, "treeflash", 8, 24)]
+    assert all(r["ms_per_round"] > 0 for r in rep["batch_rows"]) and not rep["failed"]
+    assert "request slots (in-flight batching)" in format_random_report(rep)
