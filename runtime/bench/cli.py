@@ -87,9 +87,10 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
               help="In process (without --server): serve --requests distinct prompts through the in-flight "
                    "batching engine at each of these concurrencies (e.g. 1,4,8; torch backend) and report "
                    "tokens/s, time to first token, inter-token latency and whether outputs match concurrency 1. "
-                   "With --server: the concurrent streams of the load row (the largest given). [default with "
-                   "--server: 8]")
+                   "With --server: the same, through the server (after an in-process row). [default with "
+                   "--server: 1,8]")
 @click.option("--requests", type=int, default=16, help="With --concurrency or --server: distinct prompts per row.")
+@click.option("--server-model", default="treeflash", help="With --server: the served model to load.")
 @click.option("--tree-size-by-batch", default="", metavar="B:N,...",
               help="With --concurrency: a smaller tree when more requests share a round (see treeflash-run).")
 @click.option("--random-weights", "preset", default=None, type=click.Choice(sorted(PRESETS)),
@@ -116,7 +117,7 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
                    "are on, else eagerly and synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
-         concurrency, requests, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
+         concurrency, requests, server_model, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
          cuda_graphs, compile_steps, fast_kernels, batch_sizes, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
@@ -130,9 +131,8 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
         return
     tree_sizes = tree_sizes or str(TreeConfig.tree_size)
     if server is not None:
-        levels = [int(c) for c in _split(concurrency or "8")]
-        _serving_main(artifacts, server, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens, max(levels),
-                      requests, as_json)
+        _serving_main(artifacts, server, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens,
+                      [int(c) for c in _split(concurrency or "1,8")], requests, as_json, server_model)
         return
     if concurrency is not None:
         _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, list(prompts) or list(DEFAULT_PROMPTS),
@@ -207,14 +207,14 @@ def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, p
     click.echo(json.dumps(report) if as_json else format_batching_report(report))
 
 
-def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, requests, as_json):
+def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, requests, as_json, model="treeflash"):
     from .server import format_serving_report, run_serving_bench
 
     try:
         if not artifacts:
             raise TreeFlashError("--server needs --artifacts: the artifact folder the server serves, run in process "
                                  "for the side-by-side rows")
-        report = run_serving_bench(artifacts, server, prompts, max_new_tokens, concurrency, requests)
+        report = run_serving_bench(artifacts, server, prompts, max_new_tokens, concurrency, requests, model)
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 
 from treeflash_export.config import SamplingConfig
 from treeflash_export.errors import TreeFlashError
@@ -33,16 +32,16 @@ def _timing(arrivals: list[tuple[float, int]]) -> dict:
     return {"ttft_s": first, "itl_s": (last - first) / later if later else 0.0, "e2e_s": last}
 
 
-def _summary(values: list[float]) -> dict:
-    a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}
+def _row(where: str, concurrency: int, per_request: list[dict], wall_s: float, reference=None) -> dict:
+    """The fields of treeflash-bench --concurrency's rows (bench.batching), plus requests per second."""
+    from .batching import summary_ms
 
-
-def _row(where: str, concurrency: int, per_request: list[dict], wall_s: float) -> dict:
     tokens = sum(r["tokens"] for r in per_request)
+    same = reference is None or all(r["token_ids"] == ref["token_ids"] for r, ref in zip(per_request, reference))
     return {"where": where, "concurrency": concurrency, "requests": len(per_request),
-            "ttft_s": _summary([r["ttft_s"] for r in per_request]), "itl_s": _summary([r["itl_s"] for r in per_request]),
-            "requests_per_s": len(per_request) / wall_s, "tokens_per_s": tokens / wall_s, "tokens": tokens}
+            "ttft_ms": summary_ms([r["ttft_s"] for r in per_request]),
+            "itl_ms": summary_ms([r["itl_s"] for r in per_request]), "requests_per_s": len(per_request) / wall_s,
+            "tokens_per_s": tokens / wall_s, "tokens": tokens, "identical_outputs": same}
 
 
 def _in_process(sess, prompts: list[str], max_new_tokens: int) -> tuple[list[dict], float]:
@@ -61,7 +60,8 @@ def _in_process(sess, prompts: list[str], max_new_tokens: int) -> tuple[list[dic
     return out, wall
 
 
-def _through_server(server: str, prompts: list[str], max_new_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+def _through_server(server: str, prompts: list[str], max_new_tokens: int, concurrency: int,
+                    model: str = "treeflash") -> tuple[list[dict], float]:
     from ..serving.client import request_inputs, stream_grpc
 
     results: list[dict | None] = [None] * len(prompts)
@@ -76,7 +76,7 @@ def _through_server(server: str, prompts: list[str], max_new_tokens: int, concur
             if i is None or errors:
                 return
             try:
-                r = stream_grpc(server, request_inputs(prompts[i], max_new_tokens, stream=True))
+                r = stream_grpc(server, request_inputs(prompts[i], max_new_tokens, stream=True), model=model)
             except TreeFlashError as exc:
                 errors.append(str(exc))
                 return
@@ -94,40 +94,43 @@ def _through_server(server: str, prompts: list[str], max_new_tokens: int, concur
     return results, wall
 
 
-def run_serving_bench(artifacts: str, server: str, prompts: list[str], max_new_tokens: int, concurrency: int,
-                      requests: int) -> dict:
-    """requests: prompts per row (distinct); every row runs the same ones."""
+def run_serving_bench(artifacts: str, server: str, prompts: list[str], max_new_tokens: int, concurrency: list[int],
+                      requests: int, model: str = "treeflash") -> dict:
+    """requests: prompts per row (distinct); every row runs the same ones: in process (ONNX Runtime,
+    one at a time), then through the server's ``model`` at each concurrency."""
     from ..factory import session_from_artifacts
 
-    if concurrency < 1 or requests < 1:
+    if not concurrency or min(concurrency) < 1 or requests < 1:
         raise TreeFlashError("--concurrency and --requests must be >= 1")
     sess = session_from_artifacts(artifacts, {}, backend="onnxruntime")
-    batch = distinct_prompts(prompts, max(requests, concurrency))
+    batch = distinct_prompts(prompts, max(requests, max(concurrency)))
     _in_process(sess, batch[:1], max_new_tokens)  # warm-up (the server warmed up when it loaded)
-    _through_server(server, batch[:1], max_new_tokens, 1)
+    _through_server(server, batch[:1], max_new_tokens, 1, model)
     local, local_wall = _in_process(sess, batch, max_new_tokens)
-    serial, serial_wall = _through_server(server, batch, max_new_tokens, 1)
-    loaded, loaded_wall = _through_server(server, batch, max_new_tokens, concurrency)
-    rows = [_row("in process", 1, local, local_wall), _row("server (gRPC)", 1, serial, serial_wall),
-            _row("server (gRPC)", concurrency, loaded, loaded_wall)]
-    mismatched = [i for i in range(len(batch))
-                  if not local[i]["token_ids"] == serial[i]["token_ids"] == loaded[i]["token_ids"]]
-    return {"rows": rows, "identical_outputs": not mismatched, "mismatched_prompts": mismatched,
-            "prompts": len(batch), "max_new_tokens": max_new_tokens, "artifacts": artifacts, "server": server,
+    rows = [_row("in_process", 1, local, local_wall)]
+    for c in sorted(set(concurrency)):
+        results, wall = _through_server(server, batch, max_new_tokens, c, model)
+        rows.append(_row("server", c, results, wall, local))
+    served = [r for r in rows if r["where"] == "server"]
+    for r in served:
+        r["ratio_to_first"] = r["tokens_per_s"] / served[0]["tokens_per_s"]
+    return {"rows": rows, "identical_outputs": all(r["identical_outputs"] for r in rows), "prompts": len(batch),
+            "max_new_tokens": max_new_tokens, "artifacts": artifacts, "server": server, "model": model,
             "backend": "onnxruntime"}
 
 
 def format_serving_report(report: dict) -> str:
-    head = (f"{'where':<15} {'conc':>4} {'reqs':>4} {'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} "
-            f"{'req/s':>7} {'tok/s':>8}")
+    head = (f"{'where':<11} {'conc':>4} {'reqs':>4} {'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} "
+            f"{'req/s':>7} {'tok/s':>8} {'same':>5}")
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
-        t, i = r["ttft_s"], r["itl_s"]
-        ttft = f"{t['mean'] * 1e3:.1f}/{t['p50'] * 1e3:.1f}/{t['p90'] * 1e3:.1f}"
-        itl = f"{i['mean'] * 1e3:.2f}/{i['p50'] * 1e3:.2f}/{i['p90'] * 1e3:.2f}"
-        lines.append(f"{r['where']:<15} {r['concurrency']:>4} {r['requests']:>4} {ttft:>22} {itl:>21} "
-                     f"{r['requests_per_s']:>7.2f} {r['tokens_per_s']:>8.1f}")
-    lines.append(f"greedy outputs identical in process and through the server: {report['identical_outputs']} "
+        t, i = r["ttft_ms"], r["itl_ms"]
+        ttft = f"{t['mean']:.1f}/{t['p50']:.1f}/{t['p90']:.1f}"
+        itl = f"{i['mean']:.2f}/{i['p50']:.2f}/{i['p90']:.2f}"
+        lines.append(f"{r['where']:<11} {r['concurrency']:>4} {r['requests']:>4} {ttft:>22} {itl:>21} "
+                     f"{r['requests_per_s']:>7.2f} {r['tokens_per_s']:>8.1f} {str(r['identical_outputs']):>5}")
+    lines.append(f"model {report['model']}: greedy outputs identical in process and through the server: "
+                 f"{report['identical_outputs']} "
                  f"({report['prompts']} prompts, {report['max_new_tokens']} new tokens, in-process backend "
                  f"{report['backend']})")
     return "\n".join(lines)

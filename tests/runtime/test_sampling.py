@@ -289,3 +289,26 @@ def test_seed_reproduces_output(small_vocab_pair, small_vocab_artifacts, backend
     others = {tuple(run(s)) for s in range(5, 10)}
     assert len(first) == 20 and run(4) == first
     assert len(others | {tuple(first)}) > 2
+
+
+@pytest.mark.parametrize("mode,top_p", [("treeflash", 1.0), ("marginal", 0.8)])
+def test_batched_slots_sampling_matches_verifier_distribution(small_vocab_pair, mode, top_p):
+    """In-flight batching with keyed sampling: SAMPLES requests (seeds 0..SAMPLES-1) served eight at a
+    time through the engine; the joint distribution of their first NEW tokens is the verifier's own."""
+    from treeflash_runtime.backends.slots import SlotRunner
+    from treeflash_runtime.serving.engine import Engine, Request
+
+    verifier, drafter = small_vocab_pair
+    runner = SlotRunner(verifier, drafter, max_batch=8, capacity=32, tree=TreeConfig(mode=mode, **TREE))
+    requests = [Request(list(PROMPT), SamplingConfig(temperature=1.0, top_p=top_p, max_new_tokens=NEW, seed=seed))
+                for seed in range(SAMPLES)]
+    engine = Engine(runner)
+    with one_thread():
+        engine.run(requests)
+    counts = {}
+    for r in requests:
+        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    assert max(engine.rounds_by_batch) == 8 and max(len(r.accept_lengths) for r in requests) >= 2
+    probs = exact_distribution(verifier, 1.0, top_p)
+    assert sum(p * SAMPLES >= 5 for p in probs.values()) >= 4
+    assert gof_pvalue(counts, probs, SAMPLES) > ALPHA

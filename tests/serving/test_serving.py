@@ -548,16 +548,19 @@ def test_run_cli_against_the_server(server, reference, artifact):
 def test_bench_in_process_vs_server(server, artifact):
     from treeflash_runtime.bench.cli import main as bench_main
 
-    r = CliRunner().invoke(bench_main, ["--artifacts", str(artifact.root), "--server", server.grpc,
-                                        "--concurrency", "8", "--requests", "8", "--max-new-tokens", "16", "--json"])
-    assert r.exit_code == 0, r.output
-    report = json.loads(r.stdout)
-    assert report["identical_outputs"] is True and report["prompts"] == 8
-    assert [(row["where"], row["concurrency"]) for row in report["rows"]] == [
-        ("in process", 1), ("server (gRPC)", 1), ("server (gRPC)", 8)]
-    for row in report["rows"]:
-        assert row["requests"] == 8 and row["tokens"] > 0 and row["tokens_per_s"] > 0 and row["requests_per_s"] > 0
-        assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p90"] and row["itl_s"]["mean"] > 0
+    for model in ("treeflash", BATCHED_MODEL):  # one generation per instance, and in-flight batching
+        r = CliRunner().invoke(bench_main, ["--artifacts", str(artifact.root), "--server", server.grpc,
+                                            "--server-model", model, "--concurrency", "1,8", "--requests", "8",
+                                            "--max-new-tokens", "16", "--json"])
+        assert r.exit_code == 0, r.output
+        report = json.loads(r.stdout)
+        assert report["identical_outputs"] is True and report["prompts"] == 8 and report["model"] == model
+        assert [(row["where"], row["concurrency"]) for row in report["rows"]] == [
+            ("in_process", 1), ("server", 1), ("server", 8)]
+        for row in report["rows"]:
+            assert row["requests"] == 8 and row["tokens"] > 0 and row["tokens_per_s"] > 0 and row["requests_per_s"] > 0
+            assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p90"] and row["itl_ms"]["mean"] > 0
+            assert row["identical_outputs"] is True
 
 
 @pytest.mark.tritonserver
