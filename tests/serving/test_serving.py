@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -720,3 +721,43 @@ def test_the_batched_model_serves_concurrent_streams_and_refuses_a_bad_one(serve
         assert results[prompt].token_ids == ref["token_ids"] and results[prompt].text == ref["text"], prompt
     again = stream_grpc(server.grpc, _inputs(LOAD_PROMPTS[0], NEW, stream=False), model=BATCHED_MODEL)
     assert again.token_ids == reference(LOAD_PROMPTS[0])["token_ids"]
+
+
+def test_batched_service_streams_cancels_and_refuses_in_process(artifact, reference):
+    """The Triton adapter's torch path without a server: requests handed to the engine's background
+    loop stream through their own senders; one whose stream is cancelled (after its second reply) ends
+    there and frees its slot for a waiting one; a request that cannot fit is refused at once; the
+    others equal their single generations."""
+    from treeflash_runtime.serving.service import BatchedService, RequestError
+
+    svc = BatchedService.from_artifact(artifact.root, max_batch=2)
+    svc.start()
+    try:
+        replies, errors = {}, []
+
+        def sender(name):
+            return lambda reply: replies.setdefault(name, []).append(reply)
+
+        with pytest.raises(RequestError, match="ask for at most"):
+            svc.submit(_np_inputs("too long", 10**6), sender("x"), errors.append)
+        cancelled = svc.submit(_np_inputs(PROMPTS[0], NEW, stream=True), sender("cancelled"), errors.append,
+                               cancelled=lambda: len(replies.get("cancelled", [])) >= 2)
+        others = [svc.submit(_np_inputs(p, NEW, stream=True), sender(p), errors.append) for p in PROMPTS[1:3]]
+        deadline = time.monotonic() + 300
+        while not all(r.done for r in [cancelled, *others]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not errors and cancelled.state == "cancelled"
+        final = replies["cancelled"][-1]
+        assert final.final and final.stop_reason == "cancelled" and final.new_tokens < NEW
+        for p in PROMPTS[1:3]:
+            ref = reference(p)
+            got = replies[p]
+            assert [t for r in got for t in r.token_ids] == ref["token_ids"] and got[-1].stop_reason == ref["stop_reason"]
+        assert svc.engine.scheduler.idle()
+    finally:
+        svc.stop()
+
+
+def _np_inputs(prompt, max_tokens, stream=False):
+    return {"text_input": np.array([[prompt.encode()]], dtype=object),
+            "max_tokens": np.array([[max_tokens]], dtype=np.int32), "stream": np.array([[stream]], dtype=bool)}
