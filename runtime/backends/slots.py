@@ -31,27 +31,20 @@ from treeflash_export.tree import Tree, chain_tree
 
 from ..sampling import accept, choose_tokens_keyed
 from .base import allocate_caches
-from .torch_backend import PREFILL_CHUNK, TorchRunner
+from .torch_backend import PREFILL_CHUNK, DeviceState, TorchRunner
 
 
 @dataclass
-class SlotState:
-    """M = slots, S' = per-slot cache slots (capacity + spare), B = block, F = feature width.
+class SlotState(DeviceState):
+    """DeviceState's fields with a leading slot axis (M slots; S' = per-slot cache slots):
 
     kv [L, 2, Hkv, M * S', D], draft_kv [Ld, 2, Hkv, M * S', D]: slot m's caches at m * S'..
-    past_len [M] int64, root [M] int64, pending [M, B, F], pending_count [M] int64: as DeviceState, per slot
-    out [M, B + 1] int64: out[m, 0] tokens gained by slot m in the last call, then the tokens
+    past_len, root, pending_count [M]; pending [M, B, F]; out [M, B + 1] (out[m, 0] tokens gained by
+    slot m in the last call, then the tokens); and per slot:
     active [M] bool: the round advances this slot (False: idle, or still being prefilled)
     temperature [M] float32, top_p [M] float32, seed [M] int64: the slot's request's sampling
     """
 
-    kv: torch.Tensor
-    draft_kv: torch.Tensor | None
-    past_len: torch.Tensor
-    root: torch.Tensor
-    pending: torch.Tensor
-    pending_count: torch.Tensor
-    out: torch.Tensor
     active: torch.Tensor
     temperature: torch.Tensor
     top_p: torch.Tensor

@@ -80,14 +80,18 @@ def run_batching_bench(sess, prompts: list[list[int]], concurrency: list[int], m
             "device": str(runner.device), "max_batch": runner.max_batch}
 
 
+def latency_cells(row: dict) -> tuple[str, str]:
+    """A row's TTFT and ITL as 'mean/p50/p90' text (milliseconds)."""
+    t, i = row["ttft_ms"], row["itl_ms"]
+    return f"{t['mean']:.1f}/{t['p50']:.1f}/{t['p90']:.1f}", f"{i['mean']:.2f}/{i['p50']:.2f}/{i['p90']:.2f}"
+
+
 def format_batching_report(report: dict) -> str:
     head = (f"{'where':<11} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(report['rows'][0]['concurrency']):>6} "
             f"{'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} {'tok/round':>9} {'same':>5}")
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
-        t, i = r["ttft_ms"], r["itl_ms"]
-        ttft = f"{t['mean']:.1f}/{t['p50']:.1f}/{t['p90']:.1f}"
-        itl = f"{i['mean']:.2f}/{i['p50']:.2f}/{i['p90']:.2f}"
+        ttft, itl = latency_cells(r)
         lines.append(f"{r['where']:<11} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
                      f"{r['ratio_to_first']:>6.2f} {ttft:>22} {itl:>21} {r['tokens_per_round']:>9.2f} "
                      f"{str(r['identical_outputs']):>5}")

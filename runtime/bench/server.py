@@ -123,10 +123,10 @@ def format_serving_report(report: dict) -> str:
     head = (f"{'where':<11} {'conc':>4} {'reqs':>4} {'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} "
             f"{'req/s':>7} {'tok/s':>8} {'same':>5}")
     lines = [head, "-" * len(head)]
+    from .batching import latency_cells
+
     for r in report["rows"]:
-        t, i = r["ttft_ms"], r["itl_ms"]
-        ttft = f"{t['mean']:.1f}/{t['p50']:.1f}/{t['p90']:.1f}"
-        itl = f"{i['mean']:.2f}/{i['p50']:.2f}/{i['p90']:.2f}"
+        ttft, itl = latency_cells(r)
         lines.append(f"{r['where']:<11} {r['concurrency']:>4} {r['requests']:>4} {ttft:>22} {itl:>21} "
                      f"{r['requests_per_s']:>7.2f} {r['tokens_per_s']:>8.1f} {str(r['identical_outputs']):>5}")
     lines.append(f"model {report['model']}: greedy outputs identical in process and through the server: "
