@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo tiny-demo test test-oldest gpu-install gpu-test gpu-test-rest gpu-bench gpu-bench-compile gpu-startup clean
+.PHONY: setup demo tiny-demo test test-oldest gpu-install gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile gpu-startup clean
 
 setup: $(VENV)/.installed
 
@@ -85,8 +85,8 @@ gpu-install:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 
 # A failing GPU run exits non-zero (pipefail keeps pytest's status through tee) and shows its first error.
-gpu-test gpu-test-rest gpu-bench gpu-bench-compile: SHELL := /bin/bash
-gpu-test gpu-test-rest gpu-bench gpu-bench-compile: .SHELLFLAGS := -o pipefail -c
+gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile: SHELL := /bin/bash
+gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile: .SHELLFLAGS := -o pipefail -c
 
 gpu-test: gpu-install
 	mkdir -p $(GPU_OUT)
@@ -121,6 +121,16 @@ gpu-startup: gpu-install
 	    float(sys.argv[3]), r['load_s'], ', '.join('%s %.1f' % kv for kv in r['load_stages_s'].items()), \
 	    r['first_token_s']))" $$run $(GPU_OUT)/startup-$$run.json $$start; \
 	done
+
+# Round time of the request-slot runner (in-flight batching) at slots 1/4/8/16 x N 16/32/64, prompt 512:
+# the figures the tree-size-by-batch table is chosen from.
+gpu-bench-batch: gpu-install
+	mkdir -p $(GPU_OUT)
+	$(PYTHON) -m treeflash_runtime.bench.cli --random-weights $(PRESET) --modes treeflash --tree-sizes 16,32,64 \
+	  --prompt-lengths 512 --batch-sizes 1,4,8,16 --no-stages --json > $(GPU_OUT)/bench-batch.json; status=$$?; \
+	  $(PYTHON) -c "import json, sys; [print(r['batch'], r['mode'], r['tree_size'], r['nodes'], '%.3f ms' % \
+	  r['ms_per_round'], 'x batch 1 %.2f' % r['ratio_to_batch_1']) for r in json.load(open(sys.argv[1]))['batch_rows']]" \
+	  $(GPU_OUT)/bench-batch.json; exit $$status
 
 gpu-bench-compile: gpu-install
 	mkdir -p $(GPU_OUT)
