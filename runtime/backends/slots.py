@@ -10,7 +10,7 @@ slot in fixed shapes; the host reads back one [slots, B + 1] buffer.
 Slots are kept packed (the occupied ones are 0..occupied-1; ``release`` moves the last one into a
 freed slot), so a round over the first b slots serves everyone, and b is a bucket (1, 2, 4, ...,
 max_batch): on CUDA each (bucket, tree size, greedy or sampling) round is captured once as a graph
-and replayed; prefill passes run eagerly, one chunk per engine step. A slot still being prefilled, or left idle
+and replayed; prefill chunks run eagerly, between rounds. A slot still being prefilled, or left idle
 inside a bucket, is inactive: the round computes it but changes none of its state.
 
 Sampling is keyed (treeflash_runtime.sampling.choose_tokens_keyed): a request's tokens depend on

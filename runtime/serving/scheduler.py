@@ -3,8 +3,8 @@
 A request's life is explicit: waiting -> prefilling -> running -> finished (or cancelled, or
 failed). Between rounds the scheduler admits waiting requests into free slots (slots stay
 packed: the occupied ones are 0..occupied-1) and retires finished ones at once; a long prompt
-is prefilled one chunk per step, interleaved with the running slots' rounds, so running streams
-are never stalled by a newcomer's whole prompt. The runner (backends.slots.SlotRunner) owns the
+is prefilled in chunks between the running slots' rounds (at most ``prefill_chunk`` prompt tokens
+a step while others run), so running streams are never stalled by a newcomer's whole prompt. The runner (backends.slots.SlotRunner) owns the
 device state; the engine (serving.engine) connects the two.
 """
 
@@ -98,12 +98,22 @@ class Scheduler:
         return admitted
 
     def prefills(self) -> list[PrefillChunk]:
-        """This step's prefill chunks: the next chunk of the oldest prompt still being prefilled
-        while others run (so their rounds wait for one chunk at most), or of every such prompt
-        when none runs (nobody waits)."""
-        chunks = [PrefillChunk(r, r.prefilled, min(r.prefilled + self.prefill_chunk, len(r.prompt_ids)))
-                  for r in self.slots if r.state == PREFILLING]
-        return chunks if not self.running() else chunks[:1]
+        """This step's prefill chunks, oldest prompt first. While others run, the chunks share a budget
+        of ``prefill_chunk`` tokens (so a round waits for that much prefill at most, and short prompts
+        all start at once); when none runs, every prompt still being prefilled gets its next chunk."""
+        budget = self.prefill_chunk if self.running() else None
+        chunks = []
+        for r in self.slots:
+            if r.state != PREFILLING:
+                continue
+            size = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
+            if size <= 0:
+                break
+            chunk = PrefillChunk(r, r.prefilled, min(r.prefilled + size, len(r.prompt_ids)))
+            chunks.append(chunk)
+            if budget is not None:
+                budget -= chunk.end - chunk.start
+        return chunks
 
     def running(self) -> list[Request]:
         return [r for r in self.slots if r.state == RUNNING]
