@@ -121,3 +121,39 @@ def topk_logprobs(logits: torch.Tensor, k: int, temperature: float) -> tuple[tor
 def _(logits, k, temperature):
     shape = (*logits.shape[:-1], k)
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.long)
+
+
+# ---------------------------------------------------------------- under torch.vmap (request slots)
+#
+# The slot runner maps the expansion over its slots with torch.vmap. These rules keep one launch for
+# all slots where the op's shapes allow it, instead of vmap's fallback of one call per slot.
+
+
+def _unbatched_calls(op, info, in_dims, args):
+    """The generic rule: one call per batch element, stacked (outputs along dim 0)."""
+    outs = [op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)])
+            for i in range(info.batch_size)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(o) for o in zip(*outs)), tuple(0 for _ in outs[0])
+    return torch.stack(outs), 0
+
+
+@torch.library.register_vmap(OP_NAME)
+def _mlp_expand_vmap(info, in_dims, z, parent_ids, *rest):
+    """Slots' blocks side by side as one block: z [b, B, H] -> [b * B, H]; each slot's parent rows
+    padded by one filler row so row r still pairs z[r + 1] with parent_ids[r]; the filler rows'
+    outputs (which mix two slots) are dropped."""
+    if in_dims[0] is None or in_dims[1] is None or any(d is not None for d in in_dims[2:]):
+        return _unbatched_calls(mlp_expand, info, in_dims, (z, parent_ids, *rest))
+    z, parent_ids = z.movedim(in_dims[0], 0), parent_ids.movedim(in_dims[1], 0)
+    b, B, H = z.shape
+    M = parent_ids.shape[-1]
+    rows = torch.cat([parent_ids, parent_ids[:, :1]], dim=1).reshape(b * B, M)[:-1]
+    out = mlp_expand(z.reshape(b * B, H), rows, *rest)  # [b * B - 1, M, H]
+    return torch.cat([out, out[:1]]).reshape(b, B, M, H)[:, : B - 1], 0
+
+
+@torch.library.register_vmap("treeflash::topk_logprobs")
+def _topk_logprobs_vmap(info, in_dims, logits, k, temperature):
+    """The op takes any leading dims: the batch is one more."""
+    return topk_logprobs(logits.movedim(in_dims[0], 0), k, temperature), (0, 0)

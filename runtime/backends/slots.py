@@ -27,7 +27,7 @@ import torch
 
 from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.errors import ConfigError
-from treeflash_export.tree import Tree, chain_tree
+from treeflash_export.tree import Tables, Tree, build_tree, chain_tree
 
 from ..sampling import accept, choose_tokens_keyed
 from .base import allocate_caches
@@ -168,9 +168,11 @@ class SlotRunner(TorchRunner):
         return next(b for b in self.buckets if b >= occupied)
 
     @torch.inference_mode()
-    def step(self, occupied: int, sampling: bool) -> list[list[int]]:
+    def step(self, occupied: int, sampling: bool, bound: int = 0) -> list[list[int]]:
         """One round over the first ``occupied`` slots (run as its bucket); returns each slot's gained
-        tokens (empty for inactive slots). sampling: whether any slot samples."""
+        tokens (empty for inactive slots). sampling: whether any slot samples. bound: eagerly, a bound
+        the host knows on every running slot's length plus the tree, so the reference attention
+        stops there (0: the whole cache; a captured round always reads it all)."""
         b = self.bucket_for(occupied)
         if self.use_graphs:
             key = ("slots", b, self.tree_by_bucket[b], sampling)
@@ -178,7 +180,7 @@ class SlotRunner(TorchRunner):
                 self._capture_round(key)
             self._graphs[key]()
         else:
-            self._round_slots(b, self.tree_by_bucket[b], sampling)
+            self._round_slots(b, self.tree_by_bucket[b], sampling, min(bound, self.slot_size))
         out = self.state.out[:occupied].tolist()  # the one read-back of the round
         return [row[1 : 1 + row[0]] for row in out]
 
@@ -199,54 +201,73 @@ class SlotRunner(TorchRunner):
         self.log(f"captured a CUDA graph ({self.tree.mode} N={tree_size}, {b} slots"
                  f"{', sampling' if sampling else ''}) in {time.perf_counter() - t0:.1f}s")
 
-    def _round_slots(self, b: int, tree_size: int, sampling: bool) -> None:
-        """draft -> expand -> build trees -> verify -> accept -> commit, for slots 0..b-1."""
+    def _round_slots(self, b: int, tree_size: int, sampling: bool, bound: int = 0) -> None:
+        """draft -> expand -> build trees -> verify -> accept -> commit, for slots 0..b-1. The drafter
+        and the verifier run once over all slots; the expansion, the tree build and acceptance are
+        the one-sequence functions mapped over the slots (torch.vmap: one batched call each; the tree
+        build is the tree algebra's, the one-sequence runner's kernel takes no batch)."""
         st, B = self.state, self.block_size
         kv, dkv = self._first(st.kv, b), self._first(st.draft_kv, b)
-        P, root, active = st.past_len[:b], st.root[:b], st.active[:b]
+        P, root = st.past_len[:b], st.root[:b]
         if self.tree.mode == "ar":
-            trees = [chain_tree(root[j:j + 1]) for j in range(b)]
+            trees = _map(b, lambda r: _fields(chain_tree(r)), root[:, None])
         else:
             with self._stage("draft"):
                 block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
                 block = torch.cat([root[:, None], block[:, 1:]], dim=1)
                 count = st.pending_count[:b]
                 z = self.drafter.model.forward_cached(st.pending[:b, : self.path_len], P - count, count,
-                                                      self.verifier.embed_tokens(block), dkv)
+                                                      self.verifier.embed_tokens(block), dkv, key_bound=bound)
+            cfg = dataclasses.replace(self.tree, tree_size=tree_size)
             with self._stage("expand"):
-                cfg = dataclasses.replace(self.tree, tree_size=tree_size)
-                tables = [self.tables(root[j:j + 1], z[j], cfg) for j in range(b)]
+                tables = _map(b, lambda r, zz: _fields(self.tables(r, zz, cfg)), root[:, None], z)
             with self._stage("tree"):
-                trees = [self.build_tree(t, root[j:j + 1], tree_size) for j, t in enumerate(tables)]
-        tokens = torch.stack([t.tokens for t in trees])
-        depths = torch.stack([t.depths for t in trees])
+                trees = _map(b, lambda t, lp, nx, r: _fields(build_tree(Tables(t, lp, nx), r, tree_size)), *tables,
+                             root)
+        tokens, _, depths, mask, _ = trees
         with self._stage("verify"):
-            logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, torch.stack([t.mask for t in trees]),
-                                                         kv, P)
+            logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, mask, kv, P, key_bound=bound)
             y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + depths + 1,
                                     sampling)
         with self._stage("accept"):
-            for j, tree in enumerate(trees):
-                self._commit_slot(j, tree, y[j], feats[j], active[j])
+            self._commit_slots(b, trees, y, feats)
 
-    def _commit_slot(self, j: int, tree: Tree, y: torch.Tensor, feats: torch.Tensor, active: torch.Tensor) -> None:
-        """TorchRunner.commit for slot j, in fixed shapes; an inactive slot keeps its state (its cache
-        past its length may change: nothing reads it before it is written again)."""
-        st, L = self.state, min(self.path_len, tree.size)
-        path, tau, bonus = accept(tree, y, L)
-        base = j * self.slot_size + st.past_len[j]
-        slots = base + torch.arange(L, device=self.device)
-        for cache in (st.kv,):
-            cache.index_copy_(3, slots, cache.index_select(3, base + path))
+    def _commit_slots(self, b: int, trees: tuple, y: torch.Tensor, feats: torch.Tensor) -> None:
+        """TorchRunner.commit for slots 0..b-1 at once, in fixed shapes; an inactive slot keeps its
+        state (its cache past its length may change: nothing reads it before it is written again)."""
+        st = self.state
+        L = min(self.path_len, trees[0].shape[1])
+        path, tau, bonus = _map(b, lambda tk, pa, de, ma, va, yy: accept(Tree(tk, pa, de, ma, va), yy, L), *trees, y)
+        active = st.active[:b]
+        ids = torch.arange(L, device=self.device)
+        base = torch.arange(b, device=self.device) * self.slot_size + st.past_len[:b]  # [b] each slot's P, globally
+        dst = (base[:, None] + ids).flatten()
+        src = (base[:, None] + path).flatten()
+        st.kv.index_copy_(3, dst, st.kv.index_select(3, src))  # gather first (a copy), then write
         tau = torch.where(active, tau, torch.zeros_like(tau))
-        st.pending[j, :L] = torch.where(active, feats[path], st.pending[j, :L])
-        st.pending_count[j] = torch.where(active, tau, st.pending_count[j])
-        gained = torch.cat([tree.tokens[path[1:]], bonus.reshape(1)])
-        gained = torch.where(torch.arange(L, device=self.device) == tau - 1, bonus, gained)
-        st.out[j, :1] = tau
-        st.out[j, 1 : 1 + L] = gained
-        st.past_len[j] += tau
-        st.root[j] = torch.where(active, bonus, st.root[j])
+        st.pending[:b, :L] = torch.where(active[:, None, None], torch.gather(
+            feats, 1, path[:, :, None].expand(-1, -1, feats.shape[-1])), st.pending[:b, :L])
+        st.pending_count[:b] = torch.where(active, tau, st.pending_count[:b])
+        drafts = torch.gather(trees[0], 1, path[:, 1:])
+        gained = torch.cat([drafts, bonus[:, None]], dim=1)
+        gained = torch.where(ids[None, :] == (tau - 1)[:, None], bonus[:, None], gained)
+        st.out[:b, :1] = tau[:, None]
+        st.out[:b, 1 : 1 + L] = gained
+        st.past_len[:b] += tau
+        st.root[:b] = torch.where(active, bonus, st.root[:b])
+
+
+def _map(b: int, fn, *args) -> tuple:
+    """fn over the slots (dim 0 of every argument): torch.vmap, or a plain call for one slot (vmap's
+    per-operator cost is all overhead there)."""
+    if b > 1:
+        return torch.vmap(fn)(*args)
+    return tuple(out[None] for out in fn(*(a[0] for a in args)))
+
+
+def _fields(x) -> tuple:
+    """A Tables or Tree as the tuple of its tensors (what torch.vmap maps)."""
+    return tuple(getattr(x, f.name) for f in dataclasses.fields(x))
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -27,6 +27,7 @@ class Engine:
         self.scheduler = Scheduler(min(max_active or runner.max_batch, runner.max_batch), prefill_chunk)
         self._emitters: dict[int, Emitter] = {}
         self.rounds_by_batch: dict[int, int] = {}  # running slots in a round -> rounds run so far
+        self.tree_nodes = max(runner.tree_by_bucket.values())
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -88,7 +89,10 @@ class Engine:
         running = [r for r in sched.running() if not r.stop_reason]  # a first token may already end one
         if running:
             sampling = any(r.sampling.temperature > 0 for r in running)
-            gained = runner.step(sched.occupied, sampling)
+            # Eagerly the attention may stop at the longest slot: committed length <= prompt + tokens so far,
+            # plus the tree (prefilling slots in the bucket are inactive: what they read does not matter).
+            longest = max(len(r.prompt_ids) + len(r.tokens) for r in running)
+            gained = runner.step(sched.occupied, sampling, longest + max(self.tree_nodes, runner.block_size))
             self.rounds_by_batch[len(running)] = self.rounds_by_batch.get(len(running), 0) + 1
             for request in running:
                 request.accept_lengths.append(len(gained[request.slot]))
