@@ -122,26 +122,40 @@ class SlotRunner(TorchRunner):
     def prefill(self, slot: int, tokens: torch.Tensor, last: bool) -> int | None:
         """The next chunk of slot ``slot``'s prompt (tokens [c] on the device) into its caches. On the
         last chunk the slot turns active and its first new token is returned (else None)."""
-        st = self.state
-        count = torch.tensor(tokens.shape[0], device=self.device)  # eager prefill: a host value is fine here
-        kv, dkv = self._slot_range(st.kv, slot), self._slot_range(st.draft_kv, slot)
-        P = st.past_len[slot]
-        n = tokens.shape[0]
-        ids = torch.arange(n, device=self.device)
-        causal = ids[:, None] >= ids[None, :]
-        logits, feats = self.verifier.forward_cached(tokens, P + ids, causal, kv, P, key_bound=0,
-                                                     logit_rows=(count - 1).reshape(1))
+        return self.prefill_many([(slot, tokens, last)])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, chunks: list[tuple[int, torch.Tensor, bool]]) -> list[int | None]:
+        """Several slots' next prompt chunks (slot, tokens [c_i], last) in one pass: padded to the
+        longest, each row at its own slot's range and length (padding rows write past the chunk, where
+        nothing reads them). Returns each slot's first new token on its last chunk, else None."""
+        st, dev = self.state, self.device
+        k, C = len(chunks), max(int(t.shape[0]) for _, t, _ in chunks)
+        slots = torch.tensor([c[0] for c in chunks], device=dev)
+        counts = torch.tensor([int(t.shape[0]) for _, t, _ in chunks], device=dev)
+        tokens = torch.stack([torch.nn.functional.pad(t, (0, C - t.shape[0])) for _, t, _ in chunks])
+        P = st.past_len[slots]
+        ids = torch.arange(C, device=dev)
+        causal = (ids[:, None] >= ids[None, :]).expand(k, C, C)
+        logits, feats = self.verifier.forward_cached(tokens, P[:, None] + ids, causal, st.kv, P,
+                                                     logit_rows=(counts - 1)[:, None], slot_ids=slots,
+                                                     slot_size=self.slot_size)
         if self.drafter is not None:
-            self.drafter.model.forward_cached(feats, P, count, None, dkv)
-        st.past_len[slot] += count
-        if not last:
-            return None
-        first = choose_tokens_keyed(logits[None], st.temperature[slot:slot + 1], st.top_p[slot:slot + 1],
-                                    st.seed[slot:slot + 1], st.past_len[slot].reshape(1, 1),
-                                    bool(st.temperature[slot] > 0))[0]
-        st.root[slot] = first[0]
-        st.active[slot] = True
-        return int(first[0])
+            self.drafter.model.forward_cached(feats, P, counts, None, st.draft_kv, slot_ids=slots,
+                                              slot_size=self.slot_size)
+        st.past_len[slots] = P + counts
+        last = [i for i, c in enumerate(chunks) if c[2]]
+        out: list[int | None] = [None] * k
+        if last:
+            rows = torch.tensor(last, device=dev)
+            s = slots[rows]
+            first = choose_tokens_keyed(logits[rows], st.temperature[s], st.top_p[s], st.seed[s],
+                                        st.past_len[s][:, None], bool((st.temperature[s] > 0).any()))[:, 0]
+            st.root[s] = first
+            st.active[s] = True
+            for i, token in zip(last, first.tolist()):
+                out[i] = token
+        return out
 
     @torch.inference_mode()
     def release(self, slot: int, occupied: int) -> int | None:

@@ -77,15 +77,17 @@ class Engine:
         for request in [r for r in sched.slots if r.wants_cancel()]:
             self._retire(request, CANCELLED, "cancelled")
         chunks = sched.prefills()
-        for chunk in chunks:
-            request = chunk.request
-            ids = torch.tensor(request.prompt_ids[chunk.start : chunk.end], dtype=torch.long, device=runner.device)
-            first = runner.prefill(request.slot, ids, chunk.last)
-            request.prefilled = chunk.end
-            if chunk.last:
-                request.state = RUNNING
-                request.first_token_at = time.perf_counter()
-                self._emit(request, [first])
+        if chunks:  # every chunk of this step in one pass
+            firsts = runner.prefill_many([
+                (c.request.slot, torch.tensor(c.request.prompt_ids[c.start : c.end], dtype=torch.long,
+                                              device=runner.device), c.last) for c in chunks])
+            for chunk, first in zip(chunks, firsts):
+                request = chunk.request
+                request.prefilled = chunk.end
+                if chunk.last:
+                    request.state = RUNNING
+                    request.first_token_at = time.perf_counter()
+                    self._emit(request, [first])
         running = [r for r in sched.running() if not r.stop_reason]  # a first token may already end one
         if running:
             sampling = any(r.sampling.temperature > 0 for r in running)

@@ -164,6 +164,8 @@ class DrafterBackbone(nn.Module):
         block_embeds: torch.Tensor | None,  # [B, H] embeddings of [root, MASK x (B-1)], or None (ingest only)
         cache: torch.Tensor,  # [L, 2, Hkv, S, D], written in place
         key_bound: int = 0,  # a static bound on the keys for the CPU reference attention (0 = S)
+        slot_ids: torch.Tensor | None = None,  # batched, ingest only: [M] the cache ranges (None = 0..M-1)
+        slot_size: int = 0,  # with slot_ids: cache slots per range
     ) -> torch.Tensor | None:
         """The runtime's form (no host value read, so it can be captured in a CUDA graph).
 
@@ -183,7 +185,9 @@ class DrafterBackbone(nn.Module):
             return None if z is None else z[0]
         M, C = ctx_features.shape[:2]
         dev = ctx_features.device
-        base = torch.arange(M, device=dev) * (cache.shape[3] // M)  # each slot's first cache slot
+        if slot_ids is not None and block_embeds is not None:
+            raise ValueError("drafter: slot_ids serve context ingestion (prefill) only")
+        base = (torch.arange(M, device=dev) if slot_ids is None else slot_ids) * (slot_size or cache.shape[3] // M)
         rows = torch.arange(C, device=dev)
         ctx_pos = ctx_start[:, None] + rows  # [M, C]
         ctx_slots = (base[:, None] + ctx_pos).flatten()

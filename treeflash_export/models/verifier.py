@@ -99,6 +99,8 @@ class TreeVerifier(nn.Module):
         *,
         key_bound: int = 0,  # a static bound on past_len + n for the CPU reference (0 = S)
         logit_rows: torch.Tensor | None = None,  # [r] rows whose logits are wanted (None = all n)
+        slot_ids: torch.Tensor | None = None,  # batched only: [M] the cache ranges the rows use (None = 0..M-1)
+        slot_size: int = 0,  # batched only, with slot_ids: cache slots per range
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The runtime's form: new K/V go straight into the cache (node i at slot past_len + i) and
         attention reads the cache in place, up to past_len + n, heads grouped natively. No host
@@ -109,11 +111,14 @@ class TreeVerifier(nn.Module):
         tree_mask [M, n, n], past_len [M], logit_rows [M, r], and the cache [L, 2, Hkv, M * S, D]:
         slot m's S cache slots lie at m * S.. on the sequence axis, so writes keep the single
         form's slot indices (offset by m * S) and each slot attends to its own range up to its own
-        length. Returns logits [M, n or r, V] and taps [M, n, T*H]."""
+        length. Returns logits [M, n or r, V] and taps [M, n, T*H]. With slot_ids the rows use cache
+        ranges slot_ids[m] of a cache of several more (each slot_size long), as a prefill of some slots
+        does."""
         from treeflash_kernels.ops import tree_attention
 
         if tokens.dim() == 2:
-            return self._slots_cached(tokens, positions, tree_mask, cache, past_len, key_bound, logit_rows)
+            return self._slots_cached(tokens, positions, tree_mask, cache, past_len, key_bound, logit_rows, slot_ids,
+                                      slot_size)
         slots = past_len + torch.arange(_check_inputs(tokens, positions, tree_mask), device=tokens.device)
 
         def attend(i, q):
@@ -121,19 +126,23 @@ class TreeVerifier(nn.Module):
 
         return self._cached_layers(tokens, positions, cache, slots, attend, logit_rows)
 
-    def _slots_cached(self, tokens, positions, tree_mask, cache, past_len, key_bound, logit_rows):
+    def _slots_cached(self, tokens, positions, tree_mask, cache, past_len, key_bound, logit_rows, slot_ids=None,
+                      slot_size=0):
         """forward_cached over M slots: one flat pass of M * n rows; only the cache writes (slot
         offsets) and attention (per slot) see the slot axis."""
         from treeflash_kernels.ops import tree_attention
 
         M, n = tokens.shape
         _check_inputs(tokens[0], positions[0], tree_mask[0])
-        S = cache.shape[3] // M
+        S = slot_size or cache.shape[3] // M
         ids = torch.arange(M, device=tokens.device)
-        slots = ((ids * S + past_len)[:, None] + torch.arange(n, device=tokens.device)).flatten()
+        ranges = ids if slot_ids is None else slot_ids
+        slots = ((ranges * S + past_len)[:, None] + torch.arange(n, device=tokens.device)).flatten()
 
         def attend(i, q):  # q [Hq, M * n, D] -> [M * n, Hq * D]
-            k, v = (cache[i, j].unflatten(1, (M, S)).transpose(0, 1) for j in (0, 1))  # [M, Hkv, S, D] views
+            k, v = (cache[i, j].unflatten(1, (-1, S)).transpose(0, 1) for j in (0, 1))  # [*, Hkv, S, D] views
+            if slot_ids is not None:
+                k, v = k[slot_ids], v[slot_ids]  # a copy of those slots' caches
             q = q.reshape(q.shape[0], M, n, q.shape[-1]).transpose(0, 1)
             return tree_attention(q, k, v, past_len, tree_mask, key_bound).flatten(0, 1)
 
