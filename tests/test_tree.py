@@ -114,3 +114,19 @@ def test_non_finite_scores_are_never_nodes():
     tree = build_tree(Tables(tok, lp, nxt), 0, 4)
     assert tree.valid.tolist() == [True, True, False, False]
     assert best_first_paths(Tables(tok, lp, nxt), 4) == [(1,)]
+
+
+def test_a_batch_of_tables_builds_each_slots_own_tree():
+    """Request slots build their trees in one call: equal, field by field, to one call per slot."""
+    g = torch.Generator().manual_seed(5)
+    b, D, M, K, N = 5, 4, 3, 3, 9
+    tokens = torch.randint(0, 50, (b, D, M, K), generator=g)
+    logprobs = torch.randn(b, D, M, K, generator=g).sort(-1, descending=True).values
+    logprobs[1, 2] = float("-inf")  # dead entries in one slot: padding nodes there
+    next_row = torch.randint(-1, M, (b, D, M, K), generator=g)
+    roots = torch.randint(0, 50, (b,), generator=g)
+    batch = build_tree(Tables(tokens, logprobs, next_row), roots, N)
+    for j in range(b):
+        one = build_tree(Tables(tokens[j], logprobs[j], next_row[j]), roots[j], N)
+        for field in ("tokens", "parents", "depths", "mask", "valid"):
+            assert torch.equal(getattr(batch, field)[j], getattr(one, field)), (j, field)

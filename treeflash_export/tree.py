@@ -18,6 +18,7 @@ best-first heap and the depth-synchronous beam below pick the same nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -70,34 +71,35 @@ def link_next_rows(child_tokens: torch.Tensor, candidates: torch.Tensor) -> torc
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[N] parent indices (root -1) -> [N, N] ancestor-or-self mask, by pointer jumping.
+    """[..., N] parent indices (root -1) -> [..., N, N] ancestor-or-self mask, by pointer jumping.
 
     Fixed shapes only (one-hot ORs, no boolean indexing), so it traces into a static graph.
     """
-    n = parents.shape[0]
+    n = parents.shape[-1]
     ids = torch.arange(n, device=parents.device)
-    mask = ids[:, None] == ids[None, :]
+    mask = (ids[:, None] == ids[None, :]).expand(*parents.shape, n)
     cur = parents
     for _ in range(max_depth):
         hit = cur >= 0
         safe = torch.where(hit, cur, torch.zeros_like(cur))
-        mask = mask | ((safe[:, None] == ids[None, :]) & hit[:, None])
-        cur = torch.where(hit, parents[safe], cur)
+        mask = mask | ((safe[..., :, None] == ids) & hit[..., :, None])
+        cur = torch.where(hit, torch.gather(parents, -1, safe), cur)
     return mask
 
 
 def stable_order_desc(scores: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting [n] scores descending, equal scores by index (a stable sort).
+    """Permutation sorting [..., n] scores descending, equal scores by index (a stable sort).
 
     Written as pairwise ranks (no Sort/TopK), so the tie order is exact and identical in
     PyTorch, ONNX Runtime and TensorRT, whose TopK does not promise an order among ties.
     O(n^2) comparisons: about a million for N = 64, K = 16.
     """
-    n = scores.shape[0]
+    n = scores.shape[-1]
     idx = torch.arange(n, device=scores.device)
-    ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (idx[None, :] < idx[:, None]))
-    rank = ahead.sum(dim=1)  # a permutation of 0..n-1
-    return torch.zeros_like(idx).scatter(0, rank, idx)
+    a, b = scores[..., None, :], scores[..., :, None]
+    ahead = (a > b) | ((a == b) & (idx[None, :] < idx[:, None]))
+    rank = ahead.sum(dim=-1)  # a permutation of 0..n-1
+    return torch.zeros_like(rank).scatter(-1, rank, idx.expand_as(rank))
 
 
 def build_tree(tables: Tables, root_token, tree_size: int) -> Tree:
@@ -106,67 +108,79 @@ def build_tree(tables: Tables, root_token, tree_size: int) -> Tree:
     Per depth keep the best N-1 children of the previous depth's beam, then take
     the global best N-1 over all depths. Nodes come out depth by depth, so parents
     precede children; padding nodes (when fewer than N-1 drafts exist) come last.
+    The tables may carry a leading batch axis (tables [b, D, M, K], roots [b]): then so does
+    every field of the tree, each tree built from its own tables (request slots).
     """
-    tok, lp, nxt = tables.tokens, tables.logprobs.float(), tables.next_row
-    D, M, K = tok.shape
+    batched = tables.tokens.dim() == 4
+    tok, lp, nxt = (t if batched else t[None] for t in (tables.tokens, tables.logprobs.float(), tables.next_row))
+    b, D, M, K = tok.shape
     W = tree_size - 1
     dev = tok.device
-    neg_inf = torch.full((1,), -math.inf, device=dev)
+    neg_inf = torch.full((1, 1), -math.inf, device=dev)
+
+    def take(x, index):  # x [b, n], index [b, m] -> x[i, index[i]]
+        return torch.gather(x, 1, index)
 
     def topw(scores, *payload):
         # The stable order keeps the flattened (parent slot, rank) order among equal scores.
-        if scores.shape[0] < W:
-            pad = W - scores.shape[0]
-            scores = torch.cat([scores, neg_inf.expand(pad)])
-            payload = [torch.cat([p, p.new_zeros(pad)]) for p in payload]
-        order = stable_order_desc(scores)[:W]
-        return (scores[order], *[p[order] for p in payload])
+        if scores.shape[1] < W:
+            pad = W - scores.shape[1]
+            scores = torch.cat([scores, neg_inf.expand(b, pad)], dim=1)
+            payload = [torch.cat([p, p.new_zeros(b, pad)], dim=1) for p in payload]
+        order = stable_order_desc(scores)[:, :W]
+        return (take(scores, order), *[take(p, order) for p in payload])
+
+    def rows(x, d, r):  # x [b, D, M, K], r [b, W] -> x[i, d, r[i]] [b, W, K]
+        return torch.gather(x[:, d], 1, r[:, :, None].expand(-1, -1, K))
 
     # Depth 1: the root's children (row 0 of depth 0).
-    score, token, row, slot = topw(lp[0, 0], tok[0, 0], nxt[0, 0], torch.zeros(K, dtype=torch.long, device=dev))
+    score, token, row, slot = topw(lp[:, 0, 0], tok[:, 0, 0], nxt[:, 0, 0],
+                                   torch.zeros(b, K, dtype=torch.long, device=dev))
     all_score, all_token, all_slot = [score], [token], [slot]
     for d in range(1, D):
         parent_ok = torch.isfinite(score) & (row >= 0)
         r = row.clamp(min=0)
-        child = torch.where(parent_ok[:, None], score[:, None] + lp[d, r], neg_inf)  # [W, K]
-        parent_slot = torch.arange(W, device=dev)[:, None].expand(W, K)
-        score, token, row, slot = topw(child.reshape(-1), tok[d, r].reshape(-1), nxt[d, r].reshape(-1),
-                                       parent_slot.reshape(-1))
+        child = torch.where(parent_ok[:, :, None], score[:, :, None] + rows(lp, d, r), neg_inf[:, :, None])  # [b, W, K]
+        parent_slot = torch.arange(W, device=dev)[:, None].expand(W, K).reshape(1, -1).expand(b, -1)
+        score, token, row, slot = topw(child.reshape(b, -1), rows(tok, d, r).reshape(b, -1),
+                                       rows(nxt, d, r).reshape(b, -1), parent_slot)
         all_score.append(score)
         all_token.append(token)
         all_slot.append(slot)
 
-    flat_score = torch.cat(all_score)  # [D*W], depth-major
-    flat_token = torch.cat(all_token)
-    flat_slot = torch.cat(all_slot)
-    flat_depth = torch.arange(1, D + 1, device=dev).repeat_interleave(W)
-    chosen = stable_order_desc(flat_score)[:W]
+    flat_score = torch.cat(all_score, dim=1)  # [b, D*W], depth-major
+    flat_token = torch.cat(all_token, dim=1)
+    flat_slot = torch.cat(all_slot, dim=1)
+    flat_depth = torch.arange(1, D + 1, device=dev).repeat_interleave(W).expand(b, -1)
+    chosen = stable_order_desc(flat_score)[:, :W]
     # Node order: chosen valid entries in depth-major order, then chosen padding entries.
-    picked = torch.zeros(D * W, dtype=torch.bool, device=dev).scatter(0, chosen, torch.ones_like(chosen, dtype=torch.bool))
+    picked = torch.zeros(b, D * W, dtype=torch.bool, device=dev).scatter(1, chosen, torch.ones_like(chosen,
+                                                                                                 dtype=torch.bool))
     good = picked & torch.isfinite(flat_score)
     pad = picked & ~good
-    n_good = good.long().sum()
-    position = torch.where(good, good.long().cumsum(0) - 1, n_good + pad.long().cumsum(0) - 1)  # node - 1
+    n_good = good.long().sum(dim=1, keepdim=True)
+    position = torch.where(good, good.long().cumsum(1) - 1, n_good + pad.long().cumsum(1) - 1)  # node - 1
     node_of = torch.where(picked, position + 1, torch.zeros_like(position))  # flat index -> node
-    flat_of = torch.zeros(W, dtype=torch.long, device=dev).scatter(0, position[chosen], chosen)  # node-1 -> flat
+    flat_of = torch.zeros(b, W, dtype=torch.long, device=dev).scatter(1, take(position, chosen), chosen)  # node-1 -> flat
 
-    valid = good[flat_of]
-    depth = flat_depth[flat_of]
-    parent_flat = (depth - 2) * W + flat_slot[flat_of]
-    parent = torch.where(depth > 1, node_of[parent_flat.clamp(min=0)], torch.zeros_like(depth))
+    valid = take(good, flat_of)
+    depth = take(flat_depth, flat_of)
+    parent_flat = (depth - 2) * W + take(flat_slot, flat_of)
+    parent = torch.where(depth > 1, take(node_of, parent_flat.clamp(min=0)), torch.zeros_like(depth))
     parent = torch.where(valid, parent, torch.zeros_like(parent))
     depth = torch.where(valid, depth, torch.ones_like(depth))
-    token = torch.where(valid, flat_token[flat_of], torch.zeros_like(depth))
+    token = torch.where(valid, take(flat_token, flat_of), torch.zeros_like(depth))
 
-    root = torch.as_tensor(root_token, dtype=torch.long, device=dev).reshape(1)
-    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), parent])
-    return Tree(
-        tokens=torch.cat([root, token]),
+    root = torch.as_tensor(root_token, dtype=torch.long, device=dev).reshape(b, 1)
+    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), parent], dim=1)
+    tree = Tree(
+        tokens=torch.cat([root, token], dim=1),
         parents=parents,
-        depths=torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth]),
+        depths=torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), depth], dim=1),
         mask=ancestor_mask(parents, D),
-        valid=torch.cat([torch.ones(1, dtype=torch.bool, device=dev), valid]),
+        valid=torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), valid], dim=1),
     )
+    return tree if batched else Tree(*(getattr(tree, f.name)[0] for f in dataclasses.fields(Tree)))
 
 
 def chain_tree(tokens: torch.Tensor) -> Tree:

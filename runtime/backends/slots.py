@@ -218,8 +218,8 @@ class SlotRunner(TorchRunner):
     def _round_slots(self, b: int, tree_size: int, sampling: bool, bound: int = 0) -> None:
         """draft -> expand -> build trees -> verify -> accept -> commit, for slots 0..b-1. The drafter
         and the verifier run once over all slots; the expansion, the tree build and acceptance are
-        the one-sequence functions mapped over the slots (torch.vmap: one batched call each; the tree
-        build is the tree algebra's, the one-sequence runner's kernel takes no batch)."""
+        the one-sequence functions mapped over the slots (torch.vmap: one batched call each) and the tree
+        build the tree algebra's, which takes a batch (the one-sequence runner's kernel takes none)."""
         st, B = self.state, self.block_size
         kv, dkv = self._first(st.kv, b), self._first(st.draft_kv, b)
         P, root = st.past_len[:b], st.root[:b]
@@ -236,8 +236,7 @@ class SlotRunner(TorchRunner):
             with self._stage("expand"):
                 tables = _map(b, lambda r, zz: _fields(self.tables(r, zz, cfg)), root[:, None], z)
             with self._stage("tree"):
-                trees = _map(b, lambda t, lp, nx, r: _fields(build_tree(Tables(t, lp, nx), r, tree_size)), *tables,
-                             root)
+                trees = _fields(build_tree(Tables(*tables), root, tree_size))  # batched natively
         tokens, _, depths, mask, _ = trees
         with self._stage("verify"):
             logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, mask, kv, P, key_bound=bound)
