@@ -57,6 +57,15 @@ class GenerationResult:
     stop_reason: str  # "stop_token" | "max_new_tokens" | "stopped" (on_tokens returned True)
 
 
+def checked_tree(runner: Runner, tree: TreeConfig) -> TreeConfig:
+    """The tree setting as this runner will use it (resolved), after checking that the runner can."""
+    if tree.mode != "ar":
+        if runner.block_size < 2:
+            raise ConfigError(f"mode {tree.mode!r} needs a drafter; this runner has none (use mode 'ar')")
+        tree.validate(block_size=runner.block_size, vocab_size=runner.vocab_size, has_head=runner.has_head)
+    return tree.resolved(runner.block_size)
+
+
 def required_capacity(prompt_len: int, max_new_tokens: int, tree_size: int) -> int:
     """Cache slots needed: the last round starts at P <= prompt + max_new - 1 and writes N tree slots."""
     return prompt_len + max_new_tokens - 1 + max(tree_size, 1)
@@ -114,11 +123,7 @@ def generate(
 ) -> GenerationResult:
     """Speculative (or, with mode 'ar', plain) generation over one runner."""
     sampling.validate()
-    if tree.mode != "ar":
-        if runner.block_size < 2:
-            raise ConfigError(f"mode {tree.mode!r} needs a drafter; this runner has none (use mode 'ar')")
-        tree.validate(block_size=runner.block_size, vocab_size=runner.vocab_size, has_head=runner.has_head)
-    tree = tree.resolved(runner.block_size)
+    tree = checked_tree(runner, tree)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=runner.device).reshape(-1)
     P = int(prompt.shape[0])
     check_capacity(runner, P, sampling, tree)

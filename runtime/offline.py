@@ -48,7 +48,8 @@ def read_prompts_file(path: str | Path, defaults: SamplingConfig) -> list[Prompt
         for key, kind in FIELDS.items():
             value = record.get(key)
             if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-                raise ConfigError(f"{where}: {key!r} must be {'a string' if kind is str else 'a number'}, got {value!r}")
+                what = "a string" if kind is str else "a number"
+                raise ConfigError(f"{where}: {key!r} must be {what}, got {value!r}")
         if not record.get("prompt"):
             raise ConfigError(f"{where}: no \"prompt\" (a non-empty string)")
         settings = {k: record[k] for k in ("max_new_tokens", "temperature", "top_p", "seed") if k in record}
@@ -73,11 +74,8 @@ def run_prompt_lines(session, lines: list[PromptLine], encode, progress) -> list
     if hasattr(session.runner, "max_batch"):
         from .serving.engine import Engine, Request
 
-        engine = Engine(session.runner)
         requests = [Request(i, line.sampling) for i, line in zip(ids, lines)]
-        for request in requests:  # all refusals before anything runs
-            engine.check(request)
-        engine.run(requests, progress=lambda r: progress())
+        Engine(session.runner).run(requests, progress=lambda r: progress())  # submits (checks) all, then runs
         for request, line in zip(requests, lines):
             end = request.token_times[-1] if request.token_times else request.submitted_at
             results.append(_fields(request.tokens, request.accept_lengths,

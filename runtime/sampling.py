@@ -14,15 +14,20 @@ import torch
 from treeflash_export.tree import Tree
 
 
+def nucleus(probs: torch.Tensor, top_p) -> torch.Tensor:
+    """[..., V] probabilities -> [..., V] bool: the tokens top-p sampling keeps, the most likely ones
+    up to mass top_p (a number, or a tensor broadcast over the rows; where it is >= 1, every token)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+    keep_sorted = (before < top_p) | (top_p >= 1.0)  # always keeps the most likely token
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
 def verifier_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """[n, V] logits -> [n, V] probabilities after temperature and nucleus (top-p) filtering."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-        keep_sorted = before < top_p  # always keeps the most likely token
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = torch.where(nucleus(probs, top_p), probs, torch.zeros_like(probs))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
@@ -108,9 +113,7 @@ def choose_tokens_keyed(logits: torch.Tensor, temperature: torch.Tensor, top_p: 
         return greedy
     t = temperature.clamp_min(1e-6).reshape(-1, 1, 1)
     probs = torch.softmax(logits.float() / t, dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    before = sorted_p.cumsum(-1) - sorted_p
-    p = top_p.reshape(-1, 1, 1)
-    keep = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, (before < p) | (p >= 1.0))
-    race = torch.where(keep, probs, torch.zeros_like(probs)) / -torch.log(keyed_uniform(seed, positions, probs.shape[-1]))
+    keep = nucleus(probs, top_p.reshape(-1, 1, 1))
+    noise = -torch.log(keyed_uniform(seed, positions, probs.shape[-1]))  # Exp(1) per (position, token)
+    race = torch.where(keep, probs, torch.zeros_like(probs)) / noise
     return torch.where(temperature.reshape(-1, 1) > 0, race.argmax(dim=-1), greedy)

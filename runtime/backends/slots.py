@@ -29,6 +29,7 @@ from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.errors import ConfigError
 from treeflash_export.tree import Tables, Tree, build_tree, chain_tree
 
+from ..loop import checked_tree
 from ..sampling import accept, choose_tokens_keyed
 from .base import allocate_caches
 from .torch_backend import PREFILL_CHUNK, DeviceState, TorchRunner
@@ -65,11 +66,7 @@ class SlotRunner(TorchRunner):
         self.max_batch = int(max_batch)
         super().__init__(verifier_hf, drafter, capacity=capacity, cuda_graphs=cuda_graphs, fast_kernels=fast_kernels,
                          log=log)
-        if tree.mode != "ar":
-            if self.block_size < 2:
-                raise ConfigError(f"mode {tree.mode!r} needs a drafter; this runner has none (use mode 'ar')")
-            tree.validate(block_size=self.block_size, vocab_size=self.vocab_size, has_head=self.has_head)
-        self.tree = tree.resolved(self.block_size)
+        self.tree = checked_tree(self, tree)
         self.buckets = bucket_sizes(self.max_batch)
         self.tree_by_bucket = tree_sizes_by_bucket(self.buckets, self.tree, tree_size_by_batch or {})
         self.path_len = 1 if self.tree.mode == "ar" else min(max(self.tree_by_bucket.values()), self.block_size)
@@ -158,11 +155,10 @@ class SlotRunner(TorchRunner):
         return out
 
     @torch.inference_mode()
-    def release(self, slot: int, occupied: int) -> int | None:
+    def release(self, slot: int, occupied: int) -> None:
         """Frees ``slot`` of ``occupied`` packed slots. The last occupied slot (if another) moves into
-        it, caches and all; returns that slot's old index (None when nothing moved)."""
+        it, caches and all (as the scheduler moves its request)."""
         st, last = self.state, occupied - 1
-        moved = None
         if slot != last:
             for cache in (st.kv, st.draft_kv):
                 if cache is not None:
@@ -170,11 +166,9 @@ class SlotRunner(TorchRunner):
             for t in (st.past_len, st.root, st.pending, st.pending_count, st.out, st.active, st.temperature, st.top_p,
                       st.seed):
                 t[slot] = t[last]
-            moved = last
         st.active[last] = False
         st.past_len[last] = 0
         st.pending_count[last] = 0
-        return moved
 
     # ------------------------------------------------------------------ the batched round
 

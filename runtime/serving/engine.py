@@ -1,5 +1,6 @@
-"""The engine loop: each step admits, prefills one chunk, runs one batched round over the occupied
-slots, streams every running request's new tokens and retires the finished ones.
+"""The engine loop: each step admits, prefills this step's prompt chunks in one pass, runs one
+batched round over the occupied slots, streams every running request's new tokens and retires the
+finished ones.
 
 ``run`` serves a list of requests to the end (offline batches, the in-process benchmark);
 ``start`` runs the loop in a background thread that serves requests submitted from other
@@ -40,7 +41,7 @@ class Engine:
         n = len(request.prompt_ids)
         if n < 1:
             raise ConfigError("the prompt is empty")
-        tree_size = max(self.runner.tree_by_bucket.values())
+        tree_size = self.tree_nodes
         need = required_capacity(n, request.sampling.max_new_tokens, tree_size)
         if need > self.runner.capacity:
             most = self.runner.capacity - n + 1 - tree_size
@@ -127,6 +128,10 @@ class Engine:
             if progress is not None:
                 request.on_done = _then(request.on_done, progress)
             self.submit(request)
+        return self.drain(requests)
+
+    def drain(self, requests: list[Request]) -> list[Request]:
+        """Steps in this thread until these (submitted) requests are done."""
         while not all(r.done for r in requests):
             if not self.step():
                 raise RuntimeError("internal error: the engine stalled with requests left")

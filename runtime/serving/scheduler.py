@@ -4,8 +4,9 @@ A request's life is explicit: waiting -> prefilling -> running -> finished (or c
 failed). Between rounds the scheduler admits waiting requests into free slots (slots stay
 packed: the occupied ones are 0..occupied-1) and retires finished ones at once; a long prompt
 is prefilled in chunks between the running slots' rounds (at most ``prefill_chunk`` prompt tokens
-a step while others run), so running streams are never stalled by a newcomer's whole prompt. The runner (backends.slots.SlotRunner) owns the
-device state; the engine (serving.engine) connects the two.
+a step while others run), so running streams are never stalled by a newcomer's whole prompt.
+The runner (backends.slots.SlotRunner) owns the device state; the engine (serving.engine)
+connects the two.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ class Request:
     sampling: SamplingConfig
     on_tokens: Callable[[list[int]], bool | None] | None = None
     on_done: Callable[["Request"], None] | None = None
-    id: str = ""
     state: str = WAITING
     slot: int | None = None
     prefilled: int = 0  # prompt tokens already in the slot's caches

@@ -287,11 +287,10 @@ class BatchedService(Service):
         """One request served to the end in this thread (warm-up, tests): through the engine."""
         finals, errors = [], []
         request = self.submit(inputs, lambda reply: (send(reply), reply.final and finals.append(reply)), errors.append)
-        while not request.done:
-            if self.engine.running_in_background():
-                time.sleep(0.005)
-            elif not self.engine.step():
-                raise TreeFlashError("internal error: the engine stalled")
+        if not self.engine.running_in_background():
+            self.engine.drain([request])
+        while not request.done:  # the background loop serves it
+            time.sleep(0.005)
         if errors:
             raise TreeFlashError(errors[0])
         return finals[-1]

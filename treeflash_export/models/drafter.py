@@ -15,7 +15,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ..config import DrafterConfig
-from .common import apply_rope, attend, write_kv
+from .common import apply_rope, attend, attend_slots, write_kv
 from .fused import FusedLayer, norm_args
 from .head import ARApproximationHead
 
@@ -207,14 +207,6 @@ class DrafterBackbone(nn.Module):
                                     key_bound)
         return None if x is None else x.unflatten(0, (M, -1))
 
-    def _attend(self, q, cache_layer, past_len, see_block, M, key_bound):
-        """q [Hq, M * B, D] of the blocks -> [M * B, Hq * D], each slot over its own cache range."""
-        from treeflash_kernels.ops import tree_attention
-
-        k, v = (cache_layer[j].unflatten(1, (M, -1)).transpose(0, 1) for j in (0, 1))  # [M, Hkv, S, D] views
-        q = q.reshape(q.shape[0], M, -1, q.shape[-1]).transpose(0, 1)
-        return tree_attention(q, k, v, past_len, see_block, key_bound).flatten(0, 1)
-
     def _cached_layers(self, ctx_features, ctx_pos, ctx_slots, blk, cache, M, key_bound):
         """forward_cached through the modules, rows flat over the slots."""
         ctx = self.hidden_norm(self.fc(ctx_features))
@@ -229,7 +221,7 @@ class DrafterBackbone(nn.Module):
                 continue
             h = layer.input_layernorm(x)
             write_kv(cache[i], blk_slots, *attn._kv(h, *blk_rope))
-            out = self._attend(attn._q(h, *blk_rope), cache[i], past_len, see_block, M, key_bound)
+            out = attend_slots(attn._q(h, *blk_rope), cache[i], past_len, see_block, M, cache.shape[3] // M, key_bound)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return None if blk is None else x
@@ -255,7 +247,7 @@ class DrafterBackbone(nn.Module):
         x, h = add_rms_norm(block_rows, None, *norm_args(norms[0]))
         for i, fl in enumerate(self.fused):
             q = fl.qkv(torch.cat([ctx, h]), cos, sin, cache[i, 0], cache[i, 1], write)[:, C:]
-            out = self._attend(q, cache[i], past_len, see_block, M, key_bound)
+            out = attend_slots(q, cache[i], past_len, see_block, M, cache.shape[3] // M, key_bound)
             x, h = add_rms_norm(x, fl.attn.o_proj(out), *fl.post_norm)
             mlp_out = fl.mlp(h)
             if i + 1 < len(norms):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import apply_rope, attend, write_kv
+from .common import apply_rope, attend, attend_slots, write_kv
 from .fused import FusedLayer, norm_args
 
 
@@ -130,8 +130,6 @@ class TreeVerifier(nn.Module):
                       slot_size=0):
         """forward_cached over M slots: one flat pass of M * n rows; only the cache writes (slot
         offsets) and attention (per slot) see the slot axis."""
-        from treeflash_kernels.ops import tree_attention
-
         M, n = tokens.shape
         _check_inputs(tokens[0], positions[0], tree_mask[0])
         S = slot_size or cache.shape[3] // M
@@ -139,12 +137,8 @@ class TreeVerifier(nn.Module):
         ranges = ids if slot_ids is None else slot_ids
         slots = ((ranges * S + past_len)[:, None] + torch.arange(n, device=tokens.device)).flatten()
 
-        def attend(i, q):  # q [Hq, M * n, D] -> [M * n, Hq * D]
-            k, v = (cache[i, j].unflatten(1, (-1, S)).transpose(0, 1) for j in (0, 1))  # [*, Hkv, S, D] views
-            if slot_ids is not None:
-                k, v = k[slot_ids], v[slot_ids]  # a copy of those slots' caches
-            q = q.reshape(q.shape[0], M, n, q.shape[-1]).transpose(0, 1)
-            return tree_attention(q, k, v, past_len, tree_mask, key_bound).flatten(0, 1)
+        def attend(i, q):
+            return attend_slots(q, cache[i], past_len, tree_mask, M, S, key_bound, slot_ids)
 
         rows = None if logit_rows is None else (ids[:, None] * n + logit_rows).flatten()
         logits, taps = self._cached_layers(tokens.flatten(), positions.flatten(), cache, slots, attend, rows)
