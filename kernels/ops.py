@@ -65,15 +65,11 @@ def _(q, k_cache, v_cache, past_len, tree_mask, key_bound=0):
 # The decoder layer's elementwise work (treeflash_kernels.layer_ops): the runtime's fast path.
 
 
-def _triton_on(x: torch.Tensor) -> bool:
-    return runs_triton(x)
-
-
 @torch.library.custom_op("treeflash::add_rms_norm", mutates_args=())
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, delta [n, H] (delta None: no add) -> (x + delta, RMSNorm(x + delta) * weight)."""
-    if _triton_on(x):
+    if runs_triton(x):
         s, h = lo.add_rms_norm_triton(x, delta, weight, eps)
     else:
         s, h = lo.add_rms_norm_reference(x, delta, weight, eps)
@@ -91,7 +87,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: tor
                  slots: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Merged q/k/v rows [n, (Hq + 2 Hkv) D] -> q [Hq, n, D] (normed per head, rotated); k (the
     same) and v written into k_cache / v_cache [Hkv, S, D] at slots [n] (negative: not written)."""
-    fn = lo.qk_norm_rope_triton if _triton_on(qkv) else lo.qk_norm_rope_reference
+    fn = lo.qk_norm_rope_triton if runs_triton(qkv) else lo.qk_norm_rope_reference
     return fn(qkv, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots, num_heads)
 
 
@@ -103,7 +99,7 @@ def _(qkv, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots, num_heads
 @torch.library.custom_op("treeflash::silu_mul", mutates_args=())
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[n, 2I], gate columns first -> silu(gate) * up [n, I]."""
-    return lo.silu_mul_triton(gate_up) if _triton_on(gate_up) else lo.silu_mul_reference(gate_up)
+    return lo.silu_mul_triton(gate_up) if runs_triton(gate_up) else lo.silu_mul_reference(gate_up)
 
 
 @silu_mul.register_fake

@@ -69,7 +69,8 @@ class SlotRunner(TorchRunner):
         self.tree = checked_tree(self, tree)
         self.buckets = bucket_sizes(self.max_batch)
         self.tree_by_bucket = tree_sizes_by_bucket(self.buckets, self.tree, tree_size_by_batch or {})
-        self.path_len = 1 if self.tree.mode == "ar" else min(max(self.tree_by_bucket.values()), self.block_size)
+        self.max_tree_size = max(self.tree_by_bucket.values())  # the largest tree a round builds
+        self.path_len = 1 if self.tree.mode == "ar" else min(self.max_tree_size, self.block_size)
 
     # ------------------------------------------------------------------ state
 

@@ -28,7 +28,6 @@ class Engine:
         self.scheduler = Scheduler(min(max_active or runner.max_batch, runner.max_batch), prefill_chunk)
         self._emitters: dict[int, Emitter] = {}
         self.rounds_by_batch: dict[int, int] = {}  # running slots in a round -> rounds run so far
-        self.tree_nodes = max(runner.tree_by_bucket.values())
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -41,7 +40,7 @@ class Engine:
         n = len(request.prompt_ids)
         if n < 1:
             raise ConfigError("the prompt is empty")
-        tree_size = self.tree_nodes
+        tree_size = self.runner.max_tree_size
         need = required_capacity(n, request.sampling.max_new_tokens, tree_size)
         if need > self.runner.capacity:
             most = self.runner.capacity - n + 1 - tree_size
@@ -95,7 +94,7 @@ class Engine:
             # Eagerly the attention may stop at the longest slot: committed length <= prompt + tokens so far,
             # plus the tree (prefilling slots in the bucket are inactive: what they read does not matter).
             longest = max(len(r.prompt_ids) + len(r.tokens) for r in running)
-            gained = runner.step(sched.occupied, sampling, longest + max(self.tree_nodes, runner.block_size))
+            gained = runner.step(sched.occupied, sampling, longest + max(runner.max_tree_size, runner.block_size))
             self.rounds_by_batch[len(running)] = self.rounds_by_batch.get(len(running), 0) + 1
             for request in running:
                 request.accept_lengths.append(len(gained[request.slot]))

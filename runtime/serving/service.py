@@ -249,7 +249,7 @@ class BatchedService(Service):
         super().__post_init__()
         from .engine import Engine
 
-        self.tree_size = max(self.session.runner.tree_by_bucket.values())
+        self.tree_size = self.session.runner.max_tree_size
         self.engine = Engine(self.session.runner)
 
     @classmethod

@@ -70,11 +70,8 @@ class TritonPythonModel:
                 else:
                     self.service.handle(inputs, send)
             except TreeFlashError as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                fail(str(exc))
             except Exception as exc:  # a bug must not take the model down: report it, keep serving
                 self.logger.log_error(f"treeflash: request failed: {type(exc).__name__}: {exc}")
-                sender.send(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}")),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                fail(f"internal error: {type(exc).__name__}: {exc}")
         return None
