@@ -52,7 +52,8 @@ def read_prompts_file(path: str | Path, defaults: SamplingConfig) -> list[Prompt
                 raise ConfigError(f"{where}: {key!r} must be {what}, got {value!r}")
         if not record.get("prompt"):
             raise ConfigError(f"{where}: no \"prompt\" (a non-empty string)")
-        settings = {k: record[k] for k in ("max_new_tokens", "temperature", "top_p", "seed") if k in record}
+        # null is "not given": the command line's value (as for a field left out)
+        settings = {k: record[k] for k in FIELDS if k != "prompt" and record.get(k) is not None}
         sampling = dataclasses.replace(defaults, **settings)
         try:
             sampling.validate()

@@ -245,6 +245,16 @@ def test_a_malformed_prompts_file_is_one_line_naming_file_and_line(tmp_path, con
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_null_field_in_a_prompts_file_takes_the_command_line_value(tmp_path):
+    from treeflash_export.config import SamplingConfig
+    from treeflash_runtime.offline import read_prompts_file
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "seed": null, "temperature": null, "max_new_tokens": 5}\n')
+    (line,) = read_prompts_file(f, SamplingConfig(temperature=0.5, seed=7, max_new_tokens=9))
+    assert (line.sampling.seed, line.sampling.temperature, line.sampling.max_new_tokens) == (7, 0.5, 5)
+
+
 def test_bench_concurrency_rows_report_latency_and_identical_outputs(pair_dirs):
     import json
 
