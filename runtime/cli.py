@@ -9,19 +9,19 @@ import time
 
 import click
 
-from treeflash_export.config import MODES, SamplingConfig, TreeConfig
+from treeflash_export.config import SamplingConfig
 from treeflash_export.errors import TreeFlashError
 
-_TREE = TreeConfig()
+from .options import check_model_options, load_session, model_options
+
 _SAMPLING = SamplingConfig()
-_ON_OFF = {"auto": None, "on": True, "off": False}  # --fast-kernels
 
 
 class _Streamer:
     """Prints decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
 
     def __init__(self, tokenizer, stream):
-        from .serving.service import IncrementalText
+        from .serving.text import IncrementalText
 
         self.text, self.stream = IncrementalText(tokenizer), stream
 
@@ -33,31 +33,9 @@ class _Streamer:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id. "
-              "[default: SmolLM2-135M-Instruct with the demo TreeFlash drafter, offline]")
-@click.option("--drafter", default=None, help="TreeFlash or DFlash drafter: a local folder or a hub id "
-              "(not needed with --mode ar). Without --model it drafts for SmolLM2-135M-Instruct, e.g. one "
-              "trained by `treeflash-export train`.")
-@click.option("--artifacts", "artifacts", default=None, type=click.Path(file_okay=False),
-              help="An artifact folder from `treeflash-export build` (instead of --model/--drafter); "
-                   "tree settings and cache size come from its manifest.")
-@click.option("--verify-checksums/--no-verify-checksums", default=True,
-              help="Check every artifact file against the manifest's SHA-256 before use.")
+@model_options
 @click.option("--prompt", default=None, help="Prompt text; read from standard input when omitted.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the tokenizer's chat template.")
-@click.option("--mode", type=click.Choice(MODES), default=None,
-              help=f"treeflash: head-conditioned tree; marginal: DDTree-style tree; chain: DFlash path; "
-                   f"ar: plain decoding on the same backend (the baseline). [default: {_TREE.mode}, or the "
-                   f"artifact's]")
-@click.option("--tree-size", type=int, default=None,
-              help=f"Tree nodes per round N, root included. [default: {_TREE.tree_size}, or the artifact's]")
-@click.option("--top-m", type=int, default=None,
-              help=f"Candidate parents per position (treeflash). [default: {_TREE.top_m}, or the artifact's]")
-@click.option("--top-k", type=int, default=None,
-              help=f"Children per parent row. [default: {_TREE.top_k}, or the artifact's]")
-@click.option("--drafter-temperature", type=float, default=None,
-              help=f"Temperature of the drafter scores that shape the tree (never changes the output). "
-                   f"[default: {_TREE.drafter_temperature}, or the artifact's]")
 @click.option("--temperature", type=float, default=_SAMPLING.temperature, help="Verifier temperature; 0 = greedy.")
 @click.option("--top-p", type=float, default=_SAMPLING.top_p, help="Verifier nucleus sampling mass.")
 @click.option("--max-new-tokens", type=int, default=_SAMPLING.max_new_tokens)
@@ -65,26 +43,11 @@ class _Streamer:
 @click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
               help="Extra token id that ends generation (repeatable); EOS ids are added unless --ignore-eos.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the default stop set: the tokenizer's and generation config's EOS ids and the chat template's end-of-turn token.")
-@click.option("--max-seq-len", type=int, default=None,
-              help="KV cache capacity S (prompt + new tokens - 1 + tree nodes must fit). [default: 2048, or the "
-                   "artifact's]")
 @click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default="torch",
               help="Runtime backend; onnxruntime and tensorrt run an artifact folder.")
-@click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-              help="auto = float32 on CPU, bfloat16 on CUDA.")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True,
-              help="torch backend on CUDA: capture the prefill pass, the round and the plain step as CUDA graphs "
-                   "(once per loaded model and setting) and replay them; off runs the same round eagerly.")
 @click.option("--compile/--no-compile", "compile_steps", default=False,
               help="torch backend: torch.compile the prefill pass, the round and the plain step (Inductor fuses "
                    "the elementwise work; minutes the first time, cached under TREEFLASH_CACHE after).")
-@click.option("--fast-kernels", type=click.Choice(["auto", "on", "off"]), default="auto",
-              help="torch backend: the project's launch-saving kernels (Triton on CUDA; their PyTorch references "
-                   "elsewhere): the decoder layers through merged q/k/v and gate/up projections and fused norm, "
-                   "RoPE and SwiGLU kernels, the expansion's top-k log-probabilities in one read of the logits, and "
-                   "the tree built in one kernel; off runs the Hugging Face modules and PyTorch operations. "
-                   "auto = on on CUDA without --compile, else off.")
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object (text and statistics) "
               "on stdout instead of streaming.")
 @click.option("--server", default=None, metavar="HOST:PORT",
@@ -150,37 +113,22 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         end_id = stop_token_ids[0] if stop_token_ids else (-1 if ignore_eos else None)
         return _run_server(server, server_protocol, _read_prompt(prompt), max_new_tokens, temperature, top_p, seed,
                            end_id, as_json)
-    if artifacts is None:
-        if model and (mode or _TREE.mode) != "ar" and not drafter:
-            raise TreeFlashError(f"--drafter is required for --mode {mode or _TREE.mode} "
-                                 f"(or use --mode ar for plain decoding)")
-    elif model or drafter:
-        raise TreeFlashError("--artifacts replaces --model and --drafter: pass one or the other")
-    if max_seq_len is not None and max_seq_len < 2:
-        raise TreeFlashError(f"--max-seq-len {max_seq_len} is too small")
+    check_model_options(model, drafter, artifacts, mode, max_seq_len)
     if lines is None:
         prompt = _read_prompt(prompt)
 
     from transformers.utils import logging as hf_logging
 
-    from .factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
     from .loop import generate
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     t_load = time.perf_counter()
     batch = dict(max_batch=max_batch, tree_size_by_batch=by_batch) if lines is not None and backend == "torch" else {}
-    if artifacts is None:
-        tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
-        sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
-                                        device, dtype, log=lambda m: click.echo(m, err=True), cuda_graphs=cuda_graphs,
-                                        compile_steps=compile_steps, fast_kernels=_ON_OFF[fast_kernels], **batch)
-    else:
-        sess = session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend,
-                                      device=device, dtype=dtype, verify_checksums=verify_checksums,
-                                      cuda_graphs=cuda_graphs, compile_steps=compile_steps,
-                                      fast_kernels=_ON_OFF[fast_kernels], log=lambda m: click.echo(m, err=True),
-                                      **batch)
+    sess = load_session(model=model, drafter=drafter, artifacts=artifacts, verify_checksums=verify_checksums,
+                        **requested, max_seq_len=max_seq_len, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                        fast_kernels=fast_kernels, backend=backend, compile_steps=compile_steps,
+                        log=lambda m: click.echo(m, err=True), **batch)
     load_s = time.perf_counter() - t_load  # checkpoints read, caches allocated
     tree, runner, tok = sess.tree, sess.runner, sess.tokenizer
     if chat and not getattr(tok, "chat_template", None):
@@ -222,11 +170,9 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
 
 
 def _encode(tok, text: str, chat: bool) -> list[int]:
-    if not chat:
-        return tok(text, add_special_tokens=True)["input_ids"]
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                  return_dict=False)
-    return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    from .serving.text import encode_chat, encode_prompt
+
+    return encode_chat(tok, [{"role": "user", "content": text}]) if chat else encode_prompt(tok, text)
 
 
 def _run_lines(sess, lines, stops, encode, common, as_json) -> None:

@@ -148,6 +148,10 @@ class Engine:
     def running_in_background(self) -> bool:
         return self._thread is not None
 
+    def alive(self) -> bool:
+        """The background loop is serving (False before start, after stop, or once its thread died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         self._stopping = True
         with self._lock:

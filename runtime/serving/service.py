@@ -21,6 +21,7 @@ from treeflash_export.export.triton_repo import NUMPY_DTYPES, SERVING_INPUTS, SE
 
 from ..factory import Session, session_from_artifacts
 from ..loop import generate, required_capacity
+from .text import IncrementalText, encode_prompt
 
 
 class RequestError(TreeFlashError):
@@ -100,49 +101,6 @@ def parse_request(inputs: dict[str, np.ndarray]) -> Request:
                    int(got.get("random_seed", 0)), got.get("end_id"), tuple(got.get("stop_words", ())))
 
 
-class IncrementalText:
-    """Decodes a growing token list to text pieces, holding back incomplete UTF-8 sequences, and
-    finds stop words (the text is cut right after the first one)."""
-
-    def __init__(self, tokenizer, stop_words: tuple[str, ...] = ()):
-        self.tokenizer, self.stop_words = tokenizer, stop_words
-        self.tokens: list[int] = []
-        self.text = ""  # handed out so far
-        self.stopped = False
-
-    def add(self, new: list[int]) -> str:
-        """New tokens -> the text they complete (maybe empty). After a stop word, ``tokens`` keeps only
-        the tokens up to the one that completes it (those after it in the same round are dropped)."""
-        start = len(self.tokens)
-        self.tokens.extend(new)
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = None
-        for w in self.stop_words:
-            at = full.find(w, max(0, len(self.text) - len(w)))
-            if at >= 0 and (cut is None or at + len(w) < cut):
-                cut = at + len(w)  # the earliest end among the stop words
-        if cut is not None:
-            full, self.stopped = full[:cut], True
-            # The shortest run of tokens whose text holds the text up to the cut. The word was not in
-            # the text of the earlier tokens (it would have been found then), so a new one completes it.
-            keep = next((k for k in range(start + 1, len(self.tokens))
-                         if self.tokenizer.decode(self.tokens[:k], skip_special_tokens=True).startswith(full)),
-                        len(self.tokens))
-            del self.tokens[keep:]
-        if full.endswith("\ufffd") and not self.stopped:
-            return ""
-        piece, self.text = full[len(self.text):], full
-        return piece
-
-    def flush(self) -> str:
-        """The rest of the text, incomplete characters included (generation has ended)."""
-        if self.stopped:
-            return ""
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        piece, self.text = full[len(self.text):], full
-        return piece
-
-
 @dataclass
 class _Progress:
     calls: int = 0
@@ -217,7 +175,7 @@ class Service:
         """A request's tensors -> (the request, its prompt ids, its sampling), or a RequestError."""
         req = parse_request(inputs)
         sess = self.session
-        ids = sess.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
+        ids = encode_prompt(sess.tokenizer, req.prompt)
         self.check_fits(len(ids), req.max_tokens)
         if req.end_id is None:
             stops = sess.stop_token_ids

@@ -1,0 +1,93 @@
+"""The model options treeflash-run and treeflash-serve share (which pair, tree, cache, device), their
+checks, and the session they load: one definition, so the two commands cannot drift apart."""
+
+from __future__ import annotations
+
+import click
+
+from treeflash_export.config import MODES, TreeConfig
+from treeflash_export.errors import TreeFlashError
+
+_TREE = TreeConfig()
+ON_OFF = {"auto": None, "on": True, "off": False}  # --fast-kernels
+
+_OPTIONS = [
+    click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id. "
+                 "[default: SmolLM2-135M-Instruct with the demo TreeFlash drafter, offline]"),
+    click.option("--drafter", default=None, help="TreeFlash or DFlash drafter: a local folder or a hub id "
+                 "(not needed with --mode ar). Without --model it drafts for SmolLM2-135M-Instruct, e.g. one "
+                 "trained by `treeflash-export train`."),
+    click.option("--artifacts", "artifacts", default=None, type=click.Path(file_okay=False),
+                 help="An artifact folder from `treeflash-export build` (instead of --model/--drafter); "
+                      "tree settings and cache size come from its manifest."),
+    click.option("--verify-checksums/--no-verify-checksums", default=True,
+                 help="Check every artifact file against the manifest's SHA-256 before use."),
+    click.option("--mode", type=click.Choice(MODES), default=None,
+                 help=f"treeflash: head-conditioned tree; marginal: DDTree-style tree; chain: DFlash path; "
+                      f"ar: plain decoding on the same backend (the baseline). [default: {_TREE.mode}, or the "
+                      f"artifact's]"),
+    click.option("--tree-size", type=int, default=None,
+                 help=f"Tree nodes per round N, root included. [default: {_TREE.tree_size}, or the artifact's]"),
+    click.option("--top-m", type=int, default=None,
+                 help=f"Candidate parents per position (treeflash). [default: {_TREE.top_m}, or the artifact's]"),
+    click.option("--top-k", type=int, default=None,
+                 help=f"Children per parent row. [default: {_TREE.top_k}, or the artifact's]"),
+    click.option("--drafter-temperature", type=float, default=None,
+                 help=f"Temperature of the drafter scores that shape the tree (never changes the output). "
+                      f"[default: {_TREE.drafter_temperature}, or the artifact's]"),
+    click.option("--max-seq-len", type=int, default=None,
+                 help="KV cache capacity S (prompt + new tokens - 1 + tree nodes must fit). [default: 2048, or "
+                      "the artifact's]"),
+    click.option("--device", default="auto", help="auto, cpu, cuda or cuda:N."),
+    click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+                 help="auto = float32 on CPU, bfloat16 on CUDA."),
+    click.option("--cuda-graphs/--no-cuda-graphs", default=True,
+                 help="torch backend on CUDA: capture the prefill pass, the round and the plain step as CUDA "
+                      "graphs (once per loaded model and setting) and replay them; off runs the same round "
+                      "eagerly."),
+    click.option("--fast-kernels", type=click.Choice(["auto", "on", "off"]), default="auto",
+                 help="torch backend: the project's launch-saving kernels (Triton on CUDA; their PyTorch "
+                      "references elsewhere): the decoder layers through merged q/k/v and gate/up projections and "
+                      "fused norm, RoPE and SwiGLU kernels, the expansion's top-k log-probabilities in one read of "
+                      "the logits, and the tree built in one kernel; off runs the Hugging Face modules and "
+                      "PyTorch operations. auto = on on CUDA without --compile, else off."),
+]
+
+
+def model_options(command):
+    """Adds the shared model options to a click command (its function takes them as keywords)."""
+    for option in reversed(_OPTIONS):
+        command = option(command)
+    return command
+
+
+def check_model_options(model, drafter, artifacts, mode, max_seq_len) -> None:
+    """The checks that need no model loaded (one-line errors before anything is read)."""
+    if artifacts is None:
+        if model and (mode or _TREE.mode) != "ar" and not drafter:
+            raise TreeFlashError(f"--drafter is required for --mode {mode or _TREE.mode} "
+                                 f"(or use --mode ar for plain decoding)")
+    elif model or drafter:
+        raise TreeFlashError("--artifacts replaces --model and --drafter: pass one or the other")
+    if max_seq_len is not None and max_seq_len < 2:
+        raise TreeFlashError(f"--max-seq-len {max_seq_len} is too small")
+
+
+def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size, top_m, top_k, drafter_temperature,
+                 max_seq_len, device, dtype, cuda_graphs, fast_kernels, backend="torch", compile_steps=False,
+                 log=None, **batch):
+    """The session these options name: checkpoints (the default pair without --model) or an artifact
+    folder. batch: max_batch (and tree_size_by_batch) for request slots on the torch backend."""
+    from .factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
+
+    requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
+                     drafter_temperature=drafter_temperature)
+    kernels = ON_OFF[fast_kernels] if isinstance(fast_kernels, str) else fast_kernels
+    if artifacts is None:
+        tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
+        return session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
+                                        device, dtype, log=log, cuda_graphs=cuda_graphs, compile_steps=compile_steps,
+                                        fast_kernels=kernels, **batch)
+    return session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend, device=device,
+                                  dtype=dtype, verify_checksums=verify_checksums, cuda_graphs=cuda_graphs,
+                                  compile_steps=compile_steps, fast_kernels=kernels, log=log, **batch)

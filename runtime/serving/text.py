@@ -1,0 +1,116 @@
+"""Text in and out of the tokenizer for every front end (treeflash-run, the Triton adapter, the OpenAI
+server): prompts and chat messages to ids, and generated ids back to text as they arrive, with stop
+words.
+
+Two stop-word conventions share one decoder: Triton's (TensorRT-LLM's) keeps the stop word in the
+text (``IncrementalText``); OpenAI's ends the text right before it and never hands out a piece that
+might turn out to be the start of one (``StopText``).
+"""
+
+from __future__ import annotations
+
+from treeflash_export.errors import ConfigError
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    """A plain prompt as treeflash-run encodes it (the tokenizer's special tokens added)."""
+    return tok(text, add_special_tokens=True)["input_ids"]
+
+
+def encode_chat(tok, messages: list[dict]) -> list[int]:
+    """Messages ({"role", "content"}) through the tokenizer's chat template, ready for the assistant's turn."""
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError("this tokenizer has no chat template")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # transformers 5 may still hand back a BatchEncoding here
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+class IncrementalText:
+    """Decodes a growing token list to text pieces, holding back incomplete UTF-8 sequences, and
+    finds stop words (the text is cut right after the first one)."""
+
+    def __init__(self, tokenizer, stop_words: tuple[str, ...] = ()):
+        self.tokenizer, self.stop_words = tokenizer, stop_words
+        self.tokens: list[int] = []
+        self.text = ""  # handed out so far
+        self.stopped = False
+
+    def add(self, new: list[int]) -> str:
+        """New tokens -> the text they complete (maybe empty). After a stop word, ``tokens`` keeps only
+        the tokens up to the one that completes it (those after it in the same round are dropped)."""
+        start = len(self.tokens)
+        self.tokens.extend(new)
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = None
+        for w in self.stop_words:
+            at = full.find(w, max(0, len(self.text) - len(w)))
+            if at >= 0 and (cut is None or at + len(w) < cut):
+                cut = at + len(w)  # the earliest end among the stop words
+        if cut is not None:
+            full, self.stopped = full[:cut], True
+            # The shortest run of tokens whose text holds the text up to the cut. The word was not in
+            # the text of the earlier tokens (it would have been found then), so a new one completes it.
+            keep = next((k for k in range(start + 1, len(self.tokens))
+                         if self.tokenizer.decode(self.tokens[:k], skip_special_tokens=True).startswith(full)),
+                        len(self.tokens))
+            del self.tokens[keep:]
+        if full.endswith("\ufffd") and not self.stopped:
+            return ""
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+    def flush(self) -> str:
+        """The rest of the text, incomplete characters included (generation has ended)."""
+        if self.stopped:
+            return ""
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+
+class StopText:
+    """OpenAI's stop strings over IncrementalText: the text ends right before the first stop string
+    (generation ends with the token that completes it), and while generating, a tail that could
+    still grow into a stop string is held back, so no part of one is ever streamed."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.inner = IncrementalText(tokenizer, tuple(stop))
+        self.stop = tuple(stop)
+        self.sent = 0  # characters of the inner text handed out
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens generated up to the end (up to the one that completes a stop string)."""
+        return self.inner.tokens
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner.stopped
+
+    def add(self, new: list[int]) -> str:
+        self.inner.add(new)
+        text = self.inner.text
+        if self.inner.stopped:  # text ends with the stop string found: the longest one ending there goes
+            end = len(text) - max(len(w) for w in self.stop if text.endswith(w))
+        else:
+            end = len(text) - self._open_tail(text)
+        return self._hand_out(end)
+
+    def flush(self) -> str:
+        """At the end of generation: what was held back (no stop string can complete any more)."""
+        if self.inner.stopped:
+            return ""
+        self.inner.flush()
+        return self._hand_out(len(self.inner.text))
+
+    def _open_tail(self, text: str) -> int:
+        """The length of the longest end of ``text`` that is a proper beginning of a stop string."""
+        return max((k for w in self.stop for k in range(min(len(w) - 1, len(text)), 0, -1)
+                    if text.endswith(w[:k])), default=0)
+
+    def _hand_out(self, end: int) -> str:
+        # A held-back tail is always longer than the one before it, so end never moves backwards.
+        end = max(end, self.sent)
+        piece, self.sent = self.inner.text[self.sent:end], end
+        return piece
