@@ -64,7 +64,27 @@ if triton is not None:
                           D: tl.constexpr, W: tl.constexpr, CAND: tl.constexpr, FLAT: tl.constexpr,
                           NP: tl.constexpr):
         """Tables tok/nxt [D, M, K] int64 and lp [D, M, K] float32 -> the tree's five tensors.
-        Scratch: b_* [D * W] (the beam of each depth, best first), node_of [D * W], flat_of [W]."""
+        Scratch: b_* [D * W] (the beam of each depth, best first), node_of [D * W], flat_of [W].
+        One program per tree: program_id(0) = b selects tables, root, scratch and outputs of tree b
+        (every buffer has a leading batch axis)."""
+        b = tl.program_id(0).to(tl.int64)
+        table = b * D * M * K
+        tok_ptr += table
+        lp_ptr += table
+        nxt_ptr += table
+        root_ptr += b
+        beam = b * D * W
+        b_score += beam
+        b_tok += beam
+        b_row += beam
+        b_slot += beam
+        node_of += beam
+        flat_of += b * W
+        out_tok += b * (W + 1)
+        out_par += b * (W + 1)
+        out_dep += b * (W + 1)
+        out_valid += b * (W + 1)
+        out_mask += b * (W + 1) * (W + 1)
         c = tl.arange(0, CAND)  # a candidate's index
         j = tl.arange(0, CAND)  # a position in the sorted order (the beam keeps j < W)
         # Depth 1: the root's children (row 0 of depth 0), K of them, padded to W with -inf.
@@ -153,25 +173,29 @@ if triton is not None:
 def build_tree_triton(tables, root: torch.Tensor, tree_size: int) -> tuple[torch.Tensor, ...]:
     """One launch; the same tree as treeflash_export.tree.build_tree, exactly. tables: the
     transition tables (``tokens``, ``logprobs``, ``next_row``, each [D, M, K]); returns the tree's
-    (tokens [N], parents [N], depths [N], mask [N, N], valid [N]), the fields of its Tree."""
+    (tokens [N], parents [N], depths [N], mask [N, N], valid [N]), the fields of its Tree.
+    Batched: tables [b, D, M, K] and root [b] -> every field with a leading [b] (one program per tree)."""
     if triton is None:
         raise RuntimeError("the tree-build kernel needs triton: pip install triton")
-    D, M, K = tables.tokens.shape
+    if tables.tokens.dim() == 3:
+        batched = type(tables)(*(t[None] for t in (tables.tokens, tables.logprobs, tables.next_row)))
+        return tuple(x[0] for x in build_tree_triton(batched, root.reshape(1), tree_size))
+    nb, D, M, K = tables.tokens.shape
     if not kernel_fits(D, K, tree_size):
         raise ValueError(f"build_tree kernel: D={D}, K={K}, N={tree_size} exceed its limits "
                          f"(sorts up to {MAX_SORT}, {MAX_NODES} nodes); use the reference")
     W, dev = tree_size - 1, tables.tokens.device
-    scratch = dict(b_score=torch.empty(D * W, device=dev, dtype=torch.float32),
-                   **{name: torch.empty(D * W, device=dev, dtype=torch.long) for name in ("b_tok", "b_row", "b_slot",
-                                                                                        "node_of")},
-                   flat_of=torch.empty(W, device=dev, dtype=torch.long))
-    out = dict(out_tok=torch.empty(tree_size, device=dev, dtype=torch.long),
-               out_par=torch.empty(tree_size, device=dev, dtype=torch.long),
-               out_dep=torch.empty(tree_size, device=dev, dtype=torch.long),
-               out_mask=torch.empty(tree_size, tree_size, device=dev, dtype=torch.bool),
-               out_valid=torch.empty(tree_size, device=dev, dtype=torch.bool))
-    build_tree_kernel[(1,)](
+    scratch = dict(b_score=torch.empty(nb, D * W, device=dev, dtype=torch.float32),
+                   **{name: torch.empty(nb, D * W, device=dev, dtype=torch.long) for name in ("b_tok", "b_row", "b_slot",
+                                                                                            "node_of")},
+                   flat_of=torch.empty(nb, W, device=dev, dtype=torch.long))
+    out = dict(out_tok=torch.empty(nb, tree_size, device=dev, dtype=torch.long),
+               out_par=torch.empty(nb, tree_size, device=dev, dtype=torch.long),
+               out_dep=torch.empty(nb, tree_size, device=dev, dtype=torch.long),
+               out_mask=torch.empty(nb, tree_size, tree_size, device=dev, dtype=torch.bool),
+               out_valid=torch.empty(nb, tree_size, device=dev, dtype=torch.bool))
+    build_tree_kernel[(nb,)](
         tables.tokens.contiguous(), tables.logprobs.float().contiguous(), tables.next_row.contiguous(),
-        root.reshape(1).to(torch.long), M, K, *scratch.values(), *out.values(),
+        root.reshape(nb).to(torch.long), M, K, *scratch.values(), *out.values(),
         D=D, W=W, CAND=_pow2(max(W * K, K, W)), FLAT=_pow2(D * W), NP=_pow2(tree_size), num_warps=4)
     return out["out_tok"], out["out_par"], out["out_dep"], out["out_mask"], out["out_valid"]

@@ -44,20 +44,21 @@ def _(z, parent_ids, embed_weight, head_norm_weight, ug_weight, ug_bias, d_weigh
 
 @torch.library.custom_op("treeflash::tree_attention", mutates_args=())
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len: torch.Tensor,
-                   tree_mask: torch.Tensor, key_bound: int = 0) -> torch.Tensor:
+                   tree_mask: torch.Tensor, key_bound: int = 0, slot_ids: torch.Tensor | None = None) -> torch.Tensor:
     """q [Hq, n, D] over cache slots < past_len plus the n new nodes (already in slots past_len..)
-    under tree_mask -> [n, Hq * D]; batched, q [M, Hq, n, D] over caches [M, Hkv, S, D] with
-    past_len [M] and tree_mask [M, n, n] -> [M, n, Hq * D]. On CUDA (with triton) the kernel, which
-    reads only up to past_len + n; elsewhere the reference, which reads up to key_bound (0 = the
-    whole cache)."""
-    if runs_triton(q):
-        return ta.tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask)
-    return ta.tree_attention_reference(q, k_cache, v_cache, past_len, tree_mask, key_bound)
+    under tree_mask -> [n, Hq * D]; batched, q [M, Hq, n, D] over caches [M, Hkv, S, D] (or, with
+    slot_ids [M], ranges slot_ids of caches [T, Hkv, S, D], read in place) with past_len [M] and
+    tree_mask [M, n, n] -> [M, n, Hq * D]. On CUDA (with triton, and a head dim the kernel takes)
+    the kernel, which reads only up to past_len + n; elsewhere the reference, which reads up to
+    key_bound (0 = the whole cache)."""
+    if runs_triton(q) and ta.kernel_fits(q.shape[-1]):
+        return ta.tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask, slot_ids=slot_ids)
+    return ta.tree_attention_reference(q, k_cache, v_cache, past_len, tree_mask, key_bound, slot_ids)
 
 
 @tree_attention.register_fake
-def _(q, k_cache, v_cache, past_len, tree_mask, key_bound=0):
-    ta._check(q, k_cache, v_cache, tree_mask)
+def _(q, k_cache, v_cache, past_len, tree_mask, key_bound=0, slot_ids=None):
+    ta._check(q, k_cache, v_cache, tree_mask, slot_ids)
     Hq, n, D = q.shape[-3:]
     return q.new_empty(*q.shape[:-3], n, Hq * D)
 

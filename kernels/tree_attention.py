@@ -17,7 +17,13 @@ output [n, Hq * D] (heads side by side, ready for o_proj).
 Batched (slots of a serving batch, each with its own cache and length): q [M, Hq, n, D];
 k_cache, v_cache [M, Hkv, S, D] (any strides but a contiguous head dim: views of a cache whose
 slot ranges share one sequence axis are fine); past_len [M]; tree_mask [M, n, n]; output
-[M, n, Hq * D]. Slot m reads only its own cache, up to its own P_m + n.
+[M, n, Hq * D]. Slot m reads only its own cache, up to its own P_m + n. With slot_ids [M] the
+caches may hold more ranges ([T, Hkv, S, D], T >= M) and row m reads range slot_ids[m], in place
+(a prefill of some slots): no range is copied.
+
+Head dims: the kernel's tl.dot needs a power of two of at least 16 (Triton's NVIDIA backend);
+``kernel_fits`` says so, and the dispatcher (treeflash_kernels.ops) sends other shapes to the
+reference.
 
 The kernel reads the cache only up to P + n, whatever S is, and maps grouped-query
 heads onto their shared K/V head (the G = Hq / Hkv query heads of a group are rows of
@@ -36,12 +42,25 @@ import torch.nn.functional as F
 from .mlp_expand import _pow2
 
 
-def _check(q, k_cache, v_cache, tree_mask):
+# The kernel's smallest head dim: tl.dot on NVIDIA GPUs needs every dimension >= 16.
+MIN_HEAD_DIM = 16
+
+
+def kernel_fits(head_dim: int) -> bool:
+    """Whether the Triton kernel takes this head dim (a power of two, at least MIN_HEAD_DIM)."""
+    return head_dim >= MIN_HEAD_DIM and head_dim == _pow2(head_dim)
+
+
+def _check(q, k_cache, v_cache, tree_mask, slot_ids=None):
     """The shapes of one call, single ([Hq, n, D]) or batched ([M, Hq, n, D]) alike."""
     lead = q.shape[:-3]
     Hq, n, D = q.shape[-3:]
     Hkv, S, Dk = k_cache.shape[-3:]
-    if (Dk != D or v_cache.shape != k_cache.shape or Hq % Hkv or k_cache.shape[:-3] != lead
+    ranges = k_cache.shape[:-3] if slot_ids is None else lead
+    if slot_ids is not None and (q.dim() != 4 or k_cache.dim() != 4 or slot_ids.shape != lead):
+        raise ValueError(f"tree_attention: slot_ids {tuple(slot_ids.shape)} need batched q {tuple(q.shape)} "
+                         f"and caches [T, Hkv, S, D], one id per row")
+    if (Dk != D or v_cache.shape != k_cache.shape or Hq % Hkv or ranges != lead
             or q.dim() not in (3, 4)):
         raise ValueError(f"tree_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} (heads must be a multiple of the K/V heads, head dims and "
@@ -63,19 +82,23 @@ def visible_keys(past_len: torch.Tensor, tree_mask: torch.Tensor, bound: int) ->
     return (rel < 0)[:, None, :] | (tree_cols & in_tree[:, None, :])
 
 
-def tree_attention_reference(q, k_cache, v_cache, past_len, tree_mask, key_bound: int = 0) -> torch.Tensor:
+def tree_attention_reference(q, k_cache, v_cache, past_len, tree_mask, key_bound: int = 0,
+                             slot_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The definition, in plain PyTorch (SDPA with a boolean mask, grouped-query heads native).
 
     key_bound: a static upper bound on every P + n known to the caller (0 = the capacity S); slots
-    past it are not even looked at. It changes the cost, and the rounding only: the keys seen are the same."""
-    _check(q, k_cache, v_cache, tree_mask)
+    past it are not even looked at. It changes the cost, and the rounding only: the keys seen are the same.
+    slot_ids: the rows' cache ranges (batched only); only their first key_bound slots are gathered."""
+    _check(q, k_cache, v_cache, tree_mask, slot_ids)
     if q.dim() == 3:
         return tree_attention_reference(q[None], k_cache[None], v_cache[None], past_len.reshape(1), tree_mask[None],
                                         key_bound)[0]
     bound = key_bound or k_cache.shape[2]
+    k, v = k_cache[:, :, :bound], v_cache[:, :, :bound]
+    if slot_ids is not None:
+        k, v = k[slot_ids], v[slot_ids]
     mask = visible_keys(past_len, tree_mask, bound)
-    out = F.scaled_dot_product_attention(q, k_cache[:, :, :bound], v_cache[:, :, :bound], attn_mask=mask[:, None],
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
     return out.transpose(1, 2).flatten(2)
 
 
@@ -88,14 +111,14 @@ except ImportError:  # the reference still works; the kernel needs `pip install 
 if triton is not None:
 
     @triton.jit
-    def tree_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
+    def tree_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, mask_ptr, sid_ptr, o_ptr, m_ptr, l_ptr,
                               n, G, Hkv, stride_km, stride_kh, stride_ks,
                               SM_SCALE: tl.constexpr, PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """One program: BLOCK_M rows of one slot's K/V head group (row = head-in-group * n + node)
         over one split of that slot's keys. Writes the split's unnormalised output and its running
         max / sum (float32) for the merge step. q is [M, Hq, n, D] contiguous; K/V rows are
-        HEAD_DIM contiguous; program_id(1) = slot * Hkv + K/V head."""
+        HEAD_DIM contiguous; program_id(1) = slot * Hkv + K/V head; slot reads cache range sid[slot]."""
         pair = tl.program_id(1)
         slot = pair // Hkv
         kvh = pair % Hkv
@@ -117,8 +140,9 @@ if triton is not None:
         split_len = tl.cdiv(tl.cdiv(total, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         start = split * split_len
         stop = tl.minimum(start + split_len, total)
-        k_base = k_ptr + slot.to(tl.int64) * stride_km + kvh.to(tl.int64) * stride_kh
-        v_base = v_ptr + slot.to(tl.int64) * stride_km + kvh.to(tl.int64) * stride_kh
+        cache_range = tl.load(sid_ptr + slot).to(tl.int64)
+        k_base = k_ptr + cache_range * stride_km + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + cache_range * stride_km + kvh.to(tl.int64) * stride_kh
 
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -193,17 +217,20 @@ def launch_plan(n: int, heads: int, kv_heads: int, capacity: int, head_dim: int,
     return dict(G=G, block_m=block_m, block_n=block_n, row_blocks=row_blocks, splits=splits, split_len=split_len)
 
 
-def split_partials(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0):
+def split_partials(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0, slot_ids=None):
     """The first kernel alone, on batched shapes (see the module's docstring): per key split, the
     unnormalised output o [T, M * Hkv, G * n, D], the running max m and sum l [T, M * Hkv, G * n]
     (float32; m = -inf in a split that saw no key), and the plan."""
     if triton is None:
         raise RuntimeError("the tree-attention kernel needs triton: pip install triton")
-    _check(q, k_cache, v_cache, tree_mask)
+    _check(q, k_cache, v_cache, tree_mask, slot_ids)
     M, Hq, n, D = q.shape
     _, Hkv, S, _ = k_cache.shape
-    if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or D != _pow2(D):
-        raise ValueError("tree_attention: K/V rows must be contiguous with equal strides and a power-of-two head dim")
+    if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or not kernel_fits(D):
+        raise ValueError(f"tree_attention kernel: K/V rows must be contiguous with equal strides and the head dim a "
+                         f"power of two >= {MIN_HEAD_DIM} (got {D}); use the reference")
+    if slot_ids is None:
+        slot_ids = torch.arange(M, device=q.device)
     plan = launch_plan(n, Hq, Hkv, S, D, splits=splits, slots=M)
     G, T = plan["G"], plan["splits"]
     o = torch.empty(T, M * Hkv, G * n, D, device=q.device, dtype=torch.float32)
@@ -211,7 +238,7 @@ def split_partials(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0)
     l_sum = torch.empty_like(m)
     grid = (plan["row_blocks"], M * Hkv, T)
     tree_attention_kernel[grid](
-        q.contiguous(), k_cache, v_cache, past_len.reshape(M), tree_mask.contiguous(), o, m, l_sum,
+        q.contiguous(), k_cache, v_cache, past_len.reshape(M), tree_mask.contiguous(), slot_ids, o, m, l_sum,
         n, G, Hkv, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         SM_SCALE=1.0 / math.sqrt(D), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAD_DIM=D,
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], num_warps=4, num_stages=2,
@@ -219,13 +246,14 @@ def split_partials(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0)
     return o, m, l_sum, plan
 
 
-def tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0) -> torch.Tensor:
+def tree_attention_triton(q, k_cache, v_cache, past_len, tree_mask, *, splits: int = 0,
+                          slot_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel, then the log-sum-exp merge of its key splits (fixed shapes: graph-capturable);
     single or batched shapes (see the module's docstring)."""
     if q.dim() == 3:
         return tree_attention_triton(q[None], k_cache[None], v_cache[None], past_len.reshape(1), tree_mask[None],
                                      splits=splits)[0]
-    o, m, l_sum, plan = split_partials(q, k_cache, v_cache, past_len, tree_mask, splits=splits)
+    o, m, l_sum, plan = split_partials(q, k_cache, v_cache, past_len, tree_mask, splits=splits, slot_ids=slot_ids)
     M, Hq, n, D = q.shape
     G, T, Hkv = plan["G"], plan["splits"], k_cache.shape[1]
     # Every row sees at least itself, so some split has a finite max and the merge is well defined.

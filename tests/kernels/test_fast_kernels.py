@@ -270,6 +270,24 @@ def test_build_tree_kernel_equals_the_reference(shape, ties, dead):
             assert torch.equal(getattr(got, field), getattr(want, field)), (field, seed)
 
 
+@needs_triton
+def test_build_tree_kernel_builds_a_batch_of_trees_at_once():
+    """Request slots: one launch, one program per slot's tables, each tree the reference's."""
+    from treeflash_export.tree import Tables, Tree, build_tree
+    from treeflash_kernels.build_tree import build_tree_triton
+
+    parts = [random_tables(4, 3, 4, seed, ties=seed == 1, dead=0.3 * (seed == 2)) for seed in range(3)]
+    tables = Tables(*(torch.stack([getattr(t, f) for t in parts]) for f in ("tokens", "logprobs", "next_row")))
+    roots = torch.tensor([7, 8, 9], device=DEVICE)
+    got = Tree(*build_tree_triton(tables, roots, 9))
+    batched = build_tree(tables, roots, 9)
+    for i, t in enumerate(parts):
+        want = build_tree(t, roots[i : i + 1], 9)
+        for field in ("tokens", "parents", "depths", "mask", "valid"):
+            assert torch.equal(getattr(got, field)[i], getattr(want, field)), (field, i)
+            assert torch.equal(getattr(batched, field)[i], getattr(want, field)), (field, i)
+
+
 def test_build_tree_fast_falls_back_beyond_the_kernel():
     from treeflash_kernels.build_tree import kernel_fits
 

@@ -118,6 +118,21 @@ def test_batched_kernel_reads_only_each_slots_own_keys(lengths, splits):
     assert tree_attention(q, k.nan_to_num(), v.nan_to_num(), past, mask).shape == got.shape  # the op takes both
 
 
+@pytest.mark.skipif(ta.triton is None, reason="triton is not installed (pip install triton)")
+def test_rows_read_the_cache_ranges_slot_ids_name_in_place():
+    """A prefill of some slots: row m reads range slot_ids[m] of caches holding more ranges, in place
+    (the kernel) and by gathering only the first key_bound slots (the reference): both equal each
+    slot alone."""
+    q, k, v, past, mask, probs = batched_problem([13, 0, 40, 7])
+    ids = torch.tensor([2, 0])
+    got = ta.tree_attention_triton(q[ids], k, v, past[ids], mask[ids], slot_ids=ids)
+    ref = ta.tree_attention_reference(q[ids], k.nan_to_num(), v.nan_to_num(), past[ids], mask[ids], key_bound=45,
+                                      slot_ids=ids)
+    for row, m in enumerate(ids.tolist()):
+        want = ta.tree_attention_reference(*probs[m])
+        assert (got[row] - want).abs().max() < 1e-5 and (ref[row] - want).abs().max() < 1e-5, m
+
+
 def test_launch_plan_is_static_and_covers_the_cache():
     for n, S in [(1, 4096), (64, 4096), (64, 8192), (7, 33)]:
         plan = ta.launch_plan(n, 32, 8, S, 128)
@@ -442,27 +457,52 @@ def test_random_weights_bench_reports_rows_against_floors():
     assert r.exit_code == 2 and "--rounds must be >= 1" in r.output
 
 
+def _attention_kernels(dtype: str, head_dim: int):
+    import math
+
+    plan = ta.launch_plan(64, 32, 8, 8192, head_dim)
+    T = "*" + dtype
+    sig = dict(q_ptr=T, k_ptr=T, v_ptr=T, len_ptr="*i64", mask_ptr="*i1", sid_ptr="*i64", o_ptr="*fp32",
+               m_ptr="*fp32", l_ptr="*fp32", n="i32", G="i32", Hkv="i32", stride_km="i32", stride_kh="i32",
+               stride_ks="i32")
+    consts = dict(SM_SCALE=1 / math.sqrt(head_dim), PRECISION="ieee" if dtype == "fp32" else "tf32",
+                  HEAD_DIM=head_dim, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"])
+    merge = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=T, n="i32", G="i32", Hq="i32",
+                 rows_per_split="i32")
+    return [("tree_attention_kernel", sig, consts, 4),
+            ("merge_splits_kernel", merge, dict(SPLITS=plan["splits"], HEAD_DIM=head_dim), 1)]
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_attention_kernels_compile_for_hopper(dtype):
     """Both kernels compile for sm_90 at Qwen3-8B's heads with no GPU present."""
-    import math
-
     from conftest import compile_for_hopper
 
-    plan = ta.launch_plan(64, 32, 8, 8192, 128)
-    T = "*" + dtype
-    sig = dict(q_ptr=T, k_ptr=T, v_ptr=T, len_ptr="*i64", mask_ptr="*i1", o_ptr="*fp32", m_ptr="*fp32",
-               l_ptr="*fp32", n="i32", G="i32", Hkv="i32", stride_km="i32", stride_kh="i32", stride_ks="i32")
-    consts = dict(SM_SCALE=1 / math.sqrt(128), PRECISION="ieee" if dtype == "fp32" else "tf32", HEAD_DIM=128,
-                  BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"])
-    merge = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=T, n="i32", G="i32", Hq="i32",
-                 rows_per_split="i32")
-    out = compile_for_hopper("treeflash_kernels.tree_attention", [
-        ("tree_attention_kernel", sig, consts, 4),
-        ("merge_splits_kernel", merge, dict(SPLITS=plan["splits"], HEAD_DIM=128), 1)])
+    out = compile_for_hopper("treeflash_kernels.tree_attention", _attention_kernels(dtype, 128))
     assert set(out) == {"tree_attention_kernel", "merge_splits_kernel"}
     assert all(k["sm90"] and k["shared"] <= 227 * 1024 for k in out.values()), out
+
+
+@needs_triton
+def test_a_head_dim_the_kernel_cannot_compile_goes_to_the_reference():
+    """Head dim 8 (the small test pairs): Triton's NVIDIA backend refuses tl.dot below 16, so the kernel
+    does not compile for sm_90; kernel_fits says so, and the dispatcher, even where the kernels run
+    (here: the interpreter), answers from the reference for 8 and for a head dim that is no power of two."""
+    from conftest import compile_for_hopper
+    from treeflash_kernels.mlp_expand import interpreted_on_cpu
+
+    with pytest.raises(AssertionError, match="dot|16"):
+        compile_for_hopper("treeflash_kernels.tree_attention", _attention_kernels("bf16", 8))
+    assert not ta.kernel_fits(8) and not ta.kernel_fits(24) and ta.kernel_fits(16) and ta.kernel_fits(128)
+    for D in (8, 24):
+        g = torch.Generator().manual_seed(D)
+        q = torch.randn(2, 4, 3, D, generator=g)
+        k, v = (torch.randn(2, 2, 12, D, generator=g) for _ in range(2))
+        past, mask = torch.tensor([5, 2]), torch.ones(2, 3, 3, dtype=torch.bool).tril()
+        with interpreted_on_cpu():
+            got = torch.ops.treeflash.tree_attention(q, k, v, past, mask)
+        assert torch.equal(got, ta.tree_attention_reference(q, k, v, past, mask))
 
 
 def test_random_bench_keeps_one_path_when_the_other_fails(monkeypatch):

@@ -47,11 +47,11 @@ def attend_slots(q: torch.Tensor, layer_cache: torch.Tensor, past_len: torch.Ten
                  slots: int, slot_size: int, key_bound: int = 0, slot_ids: torch.Tensor | None = None) -> torch.Tensor:
     """q [Hq, M * n, D], the rows of M = ``slots`` request slots -> [M * n, Hq * D]: each slot's rows
     attend to its own range of layer_cache [2, Hkv, T * slot_size, D] (slot m's at m * slot_size, or
-    slot_ids[m]'s: a copy of those ranges) up to its own past_len plus its n rows under tree_mask [M, n, n]."""
+    slot_ids[m]'s, read in place) up to its own past_len plus its n rows under tree_mask [M, n, n]."""
     from treeflash_kernels.ops import tree_attention
 
     k, v = (layer_cache[j].unflatten(1, (-1, slot_size)).transpose(0, 1) for j in (0, 1))  # [T, Hkv, S, D] views
-    if slot_ids is not None:
-        k, v = k[slot_ids], v[slot_ids]
+    if slot_ids is None:
+        k, v = k[:slots], v[:slots]
     q = q.reshape(q.shape[0], slots, -1, q.shape[-1]).transpose(0, 1)
-    return tree_attention(q, k, v, past_len, tree_mask, key_bound).flatten(0, 1)
+    return tree_attention(q, k, v, past_len, tree_mask, key_bound, slot_ids).flatten(0, 1)
