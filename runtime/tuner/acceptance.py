@@ -1,0 +1,294 @@
+"""The acceptance model: expected tokens per round for every candidate setting, from the rounds.
+
+TreeFlash's best-first trees are prefix-closed: the tree of n nodes is the first n nodes (in
+best-first order) of a larger one, and restricting the tables to top-M' parents and top-K' children
+keeps the nodes whose path has parent ranks < M' and child ranks < K'. Every node carries a path
+score (the sum of the drafter's log-probabilities along its path). Tokens gained by a round =
+1 + the number of accepted nodes, so
+
+    E[tokens | tree] = 1 + sum over the tree's nodes of P(accepted | score).
+
+P(accepted | score) is calibrated online: counts of accepted / seen nodes in log-prob bins, with a
+Beta prior of `prior_strength` pseudo-observations centred on exp(score), the drafter's own
+probability of the path. Before any round it predicts exp(score); with data it converges to the
+observed rates. Per node:  p = (acc[bin] + s * exp(score)) / (seen[bin] + s).
+
+The decision uses many rounds, not one: for each tracked point (family, M, K, n) the model keeps an
+exponential moving average over rounds of, per bin, the node count and the sum of exp(score) of the
+first n-1 eligible nodes. Expected tokens are linear in those two statistics, so the average
+expectation curve is recomputed under the *current* calibration at no cost:
+    E(point) = 1 + sum_b count_b * acc_b / (seen_b + s) + sum_b expsum_b * s / (seen_b + s).
+A point is 'fully observed' by a round when the round's tree held at least n-1 eligible nodes and
+was built with M >= M', K >= K'; points never fully observed use the average of the partial sums,
+a lower bound (a bigger tree only adds nodes).
+
+Families: 'treeflash' (head-conditional scores) and 'marginal' (marginal scores; chain rounds feed
+its calibration too, their path is the marginal argmax). The chain keeps its own estimate: per-depth
+acceptance given the parent was accepted, each with the same Beta prior centred on the drafter's
+mean step probability at that depth; E = 1 + sum_d prod_{j<=d} q_j. Marginal rounds feed it too
+(their rank-0 path is the chain).
+
+A `RequestStream` holds one request's counts; its probabilities blend with the global ones
+(the global calibration is the prior of the request's own counts), still linear in the statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .setting import TOP_KS, TOP_MS, TREE_SIZES, Setting
+
+# Inner edges of the log-prob bins (path scores are <= 0): finer near 0, where most accepted nodes are.
+BIN_EDGES = np.array([-12.0, -8.0, -6.0, -5.0, -4.0, -3.5, -3.0, -2.5, -2.0, -1.75, -1.5, -1.25, -1.0, -0.8, -0.6,
+                      -0.45, -0.3, -0.2, -0.1, -0.05])
+NBINS = len(BIN_EDGES) + 1
+
+
+def bins_of(scores: np.ndarray) -> np.ndarray:
+    return np.searchsorted(BIN_EDGES, scores, side="right")
+
+
+@dataclass
+class Observation:
+    """One verified round. Arrays in best-first order, root excluded, length n-1 unless stated.
+
+    mode: 'treeflash', 'marginal' or 'chain'. top_m, top_k: the settings its tables were built with.
+    scores: float, path log-probs (<= 0). accepted: bool, length <= n-1 (the verified prefix; nodes
+    past it were scored but not verified and only predict). depth: int >= 1 (needed for chain
+    rounds only if the nodes are not in depth order). m_rank, k_rank: int, the largest parent rank
+    and child rank along the node's path (None: no subsetting by M or K from this round).
+    """
+
+    mode: str
+    scores: np.ndarray
+    accepted: np.ndarray
+    top_m: int = 1
+    top_k: int = 1
+    depth: np.ndarray | None = None
+    m_rank: np.ndarray | None = None
+    k_rank: np.ndarray | None = None
+
+
+class Calibrator:
+    """P(accepted | path score): binned counts with a Beta prior centred on a per-node prior mean."""
+
+    def __init__(self, prior_strength: float = 4.0, decay: float = 1.0):
+        self.s, self.decay = float(prior_strength), float(decay)
+        self.acc = np.zeros(NBINS)
+        self.seen = np.zeros(NBINS)
+
+    def update(self, scores: np.ndarray, accepted: np.ndarray) -> None:
+        if self.decay != 1.0:  # forget slowly, so the rates follow drift in the traffic
+            self.acc *= self.decay
+            self.seen *= self.decay
+        b = bins_of(scores)
+        np.add.at(self.seen, b, 1.0)
+        np.add.at(self.acc, b, accepted.astype(float))
+
+    def coefficients(self, outer: "Calibrator | None" = None, blend: float = 16.0) -> tuple[np.ndarray, np.ndarray]:
+        """(alpha, beta) per bin such that p(node) = alpha[bin] + beta[bin] * exp(score).
+
+        With `outer` (the deployment's calibrator) these are a request's own counts with the outer
+        probability as their prior of strength `blend`."""
+        a = self.acc / (self.seen + self.s)
+        b = self.s / (self.seen + self.s)
+        if outer is None:
+            return a, b
+        ga, gb = outer.coefficients()
+        denom = self.seen + blend
+        return (self.acc + blend * ga) / denom, blend * gb / denom
+
+    def probability(self, scores: np.ndarray, outer: "Calibrator | None" = None) -> np.ndarray:
+        a, b = self.coefficients(outer)
+        k = bins_of(scores)
+        return np.clip(a[k] + b[k] * np.exp(np.minimum(scores, 0.0)), 0.0, 1.0)
+
+
+class ChainEstimate:
+    """Per-depth acceptance of the chain (depth d accepted given d-1 accepted), Beta-smoothed."""
+
+    def __init__(self, prior_strength: float = 4.0, decay: float = 1.0):
+        self.s, self.decay = float(prior_strength), float(decay)
+        self.reached: dict[int, float] = {}
+        self.acc: dict[int, float] = {}
+        self.step_p: dict[int, tuple[float, float]] = {}  # depth -> (sum of exp(step lp), count)
+
+    def update(self, step_lp: np.ndarray, n_accepted: int) -> None:
+        """step_lp: [D] the chain's per-depth log-probs (depth 1..D); n_accepted: its accepted prefix."""
+        for store in (self.reached, self.acc):
+            for d in store:
+                store[d] *= self.decay
+        for d, lp in enumerate(step_lp, start=1):
+            tot, cnt = self.step_p.get(d, (0.0, 0.0))
+            self.step_p[d] = (tot * self.decay + float(np.exp(min(lp, 0.0))), cnt * self.decay + 1.0)
+            if d <= n_accepted + 1:  # its parent was accepted: this depth was tried
+                self.reached[d] = self.reached.get(d, 0.0) + 1.0
+                self.acc[d] = self.acc.get(d, 0.0) + float(d <= n_accepted)
+
+    def expected_tokens(self, block_size: int) -> float | None:
+        if not self.step_p:
+            return None
+        total, prod = 1.0, 1.0
+        for d in range(1, block_size):
+            tot, cnt = self.step_p.get(d, self.step_p[max(self.step_p)])  # deeper than seen: the deepest prior
+            prior = tot / cnt
+            prod *= (self.acc.get(d, 0.0) + self.s * prior) / (self.reached.get(d, 0.0) + self.s)
+            total += prod
+        return total
+
+
+class RequestStream:
+    """One request's own calibration counts (no decay), blended with the deployment's."""
+
+    def __init__(self, blend: float = 16.0):
+        self.blend = blend
+        self.calibrators = {"treeflash": Calibrator(), "marginal": Calibrator()}
+        self.rounds = 0
+
+
+def _family(mode: str) -> str:
+    return "treeflash" if mode == "treeflash" else "marginal"
+
+
+class AcceptanceModel:
+    """Calibrated acceptance across the deployment, and the averaged expectation curves.
+
+    sizes, top_ms, top_ks: the tracked tree sizes N and (M, K) values (the candidates').
+    ema: the weight of the newest round in the averages (0.05: about the last 20 rounds).
+    """
+
+    def __init__(self, sizes=TREE_SIZES, top_ms=TOP_MS, top_ks=TOP_KS, ema: float = 0.05,
+                 prior_strength: float = 4.0, decay: float = 0.999):
+        self.sizes = np.array(sorted(sizes))
+        self.ema = ema
+        self.calibrators = {f: Calibrator(prior_strength, decay) for f in ("treeflash", "marginal")}
+        self.chain = ChainEstimate(prior_strength, decay)
+        self.combos = {"treeflash": [(m, k) for m in top_ms for k in top_ks], "marginal": [(1, k) for k in top_ks]}
+        shape = lambda f: (len(self.combos[f]), len(self.sizes))  # noqa: E731
+        # Per family: statistics [combos, sizes, 2 * NBINS] (counts, then exp-sums) and their EMA weights.
+        self.full = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
+        self.full_w = {f: np.zeros(shape(f)) for f in self.combos}
+        self.partial = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
+        self.partial_w = {f: np.zeros(shape(f)) for f in self.combos}
+        self.rounds = 0
+        self._coef_memo: dict = {}
+        self._combo_at = {f: {mk: i for i, mk in enumerate(c)} for f, c in self.combos.items()}
+        self._size_at = {int(n): i for i, n in enumerate(self.sizes)}
+
+    # ---- learning --------------------------------------------------------------------------
+    def observe(self, obs: Observation, stream: RequestStream | None = None) -> None:
+        """Feeds one verified round to the calibration, the averages and the chain estimate."""
+        scores = np.asarray(obs.scores, dtype=float)
+        accepted = np.asarray(obs.accepted, dtype=bool)
+        if len(accepted) > len(scores):
+            raise ValueError(f"{len(accepted)} acceptance labels for {len(scores)} scored nodes")
+        fam = _family(obs.mode)
+        self._coef_memo.clear()
+        labelled = scores[: len(accepted)]
+        self.calibrators[fam].update(labelled, accepted)
+        if stream is not None:
+            stream.calibrators[fam].update(labelled, accepted)
+            stream.rounds += 1
+        self.rounds += 1
+        if obs.mode == "chain":
+            self._observe_chain(scores, accepted)
+            return
+        if obs.mode == "marginal" and obs.k_rank is not None:
+            on_chain = np.asarray(obs.k_rank) == 0
+            if on_chain.any():  # best-first puts a path in depth order: its scores decrease
+                self._observe_chain(scores[on_chain], accepted[on_chain[: len(accepted)]])
+        self._observe_curves(fam, obs, scores)
+
+    def _observe_chain(self, path_scores: np.ndarray, accepted: np.ndarray) -> None:
+        step = np.diff(np.concatenate([[0.0], path_scores]))
+        n_acc = int(np.argmin(accepted)) if not accepted.all() else len(accepted)  # the accepted prefix
+        self.chain.update(step[: len(accepted)], n_acc)  # only the verified depths count
+
+    def _observe_curves(self, fam: str, obs: Observation, scores: np.ndarray) -> None:
+        """Updates every tracked (M, K, n) point of the family at once (about 0.1 ms for 64 nodes)."""
+        n = len(scores)
+        onehot = np.zeros((n, 2 * NBINS))  # [nodes, 2 * NBINS]: the node's bin, then exp(score) in it
+        b = bins_of(scores)
+        onehot[np.arange(n), b] = 1.0
+        onehot[np.arange(n), NBINS + b] = np.exp(np.minimum(scores, 0.0))
+        m_rank = np.zeros(n, int) if obs.m_rank is None else np.asarray(obs.m_rank)
+        k_rank = np.zeros(n, int) if obs.k_rank is None else np.asarray(obs.k_rank)
+        obs_m = 1 if fam == "marginal" else obs.top_m
+        ms = np.array([m for m, _ in self.combos[fam]])  # [C]
+        ks = np.array([k for _, k in self.combos[fam]])
+        # Without ranks a round predicts only its own (M, K).
+        informed = np.ones(len(ms), bool)  # [C]
+        if obs.m_rank is None:
+            informed &= ms == obs_m
+        if obs.k_rank is None:
+            informed &= ks == obs.top_k
+        elig = (m_rank[None, :] < ms[:, None]) & (k_rank[None, :] < ks[:, None])  # [C, nodes]
+        order = np.cumsum(elig, axis=1)  # [C, nodes]: 1-based place of a node among the eligible
+        take = elig[:, None, :] & (order[:, None, :] <= (self.sizes - 1)[None, :, None])  # [C, S, nodes]
+        stats = take.astype(float) @ onehot  # [C, S, 2 * NBINS]: the first n-1 eligible nodes' statistics
+        have = elig.sum(axis=1)  # [C]
+        full = ((self.sizes[None, :] - 1 <= have[:, None]) & (ms <= obs_m)[:, None] & (ks <= obs.top_k)[:, None]
+                & informed[:, None])  # [C, S]
+        part = np.broadcast_to(informed[:, None], full.shape)
+        a = self.ema
+        for upd, vals, wts in ((part, self.partial[fam], self.partial_w[fam]),
+                               (full, self.full[fam], self.full_w[fam])):
+            vals[upd] = (1 - a) * vals[upd] + a * stats[upd]
+            wts[upd] = (1 - a) * wts[upd] + a
+
+    # ---- predicting ------------------------------------------------------------------------
+    def _coef(self, fam: str, stream: RequestStream | None) -> np.ndarray:
+        """[2 * NBINS]: the current calibration as weights of the statistics (memoised until the next round)."""
+        key = (fam, id(stream))
+        if key not in self._coef_memo:
+            g = self.calibrators[fam]
+            alpha, beta = g.coefficients() if stream is None else stream.calibrators[fam].coefficients(g, stream.blend)
+            self._coef_memo[key] = np.concatenate([alpha, beta])
+        return self._coef_memo[key]
+
+    def expected_tokens(self, obs: Observation, n: int, top_m: int | None = None, top_k: int | None = None,
+                        stream: RequestStream | None = None) -> float:
+        """Expected tokens of one round's tree cut to n nodes and (M, K): 1 + the calibrated
+        probabilities of its first n-1 eligible nodes (ranks < M, K where the round has them)."""
+        scores = np.asarray(obs.scores, dtype=float)
+        elig = np.ones(len(scores), bool)
+        if top_m is not None and obs.m_rank is not None:
+            elig &= np.asarray(obs.m_rank) < top_m
+        if top_k is not None and obs.k_rank is not None:
+            elig &= np.asarray(obs.k_rank) < top_k
+        fam = _family(obs.mode)
+        outer = self.calibrators[fam]
+        cal = outer if stream is None else stream.calibrators[fam]
+        p = cal.probability(scores[elig][: max(n - 1, 0)], None if stream is None else outer)
+        return 1.0 + float(p.sum())
+
+    def expected(self, s: Setting, stream: RequestStream | None = None, block_size: int | None = None) -> float | None:
+        """Average expected tokens per round at setting s over recent rounds; None when no round
+        has informed it yet (the tuner explores first). Plain decoding: 1."""
+        if s.mode == "ar":
+            return 1.0
+        if s.mode == "chain":
+            return self.chain.expected_tokens(block_size or s.tree_size)
+        fam = _family(s.mode)
+        m = 1 if fam == "marginal" else s.top_m
+        c, i = self._combo_at[fam].get((m, s.top_k)), self._size_at.get(s.tree_size)
+        if c is None or i is None:
+            return None
+        if self.full_w[fam][c, i] > 0:
+            stats = self.full[fam][c, i] / self.full_w[fam][c, i]
+        elif self.partial_w[fam][c, i] > 0:
+            stats = self.partial[fam][c, i] / self.partial_w[fam][c, i]
+        else:
+            return None
+        return 1.0 + float(stats @ self._coef(fam, stream))
+
+    def observed(self, s: Setting) -> bool:
+        """Whether some round held the whole of setting s's tree (its prediction is not a lower bound)."""
+        if s.mode in ("ar", "chain"):
+            return s.mode == "ar" or bool(self.chain.step_p)
+        fam = _family(s.mode)
+        c = self._combo_at[fam].get((1 if fam == "marginal" else s.top_m, s.top_k))
+        i = self._size_at.get(s.tree_size)
+        return c is not None and i is not None and bool(self.full_w[fam][c, i] > 0)

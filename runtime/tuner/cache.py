@@ -1,0 +1,169 @@
+"""The cost model's disk cache: one JSON file per key under the project's cache folder.
+
+The file name is a hash of the key; the key is also stored inside the file and compared on load,
+so a hash collision, a hand-edited file or a file from another format is a miss, never a wrong
+answer. Anything unreadable (truncated JSON, wrong types, a key that differs) is a miss: the
+caller measures again and the new file replaces the old one atomically (temp file + os.replace),
+so a reader sees the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .cost import CostModel
+
+FORMAT = 1  # bump when the file's layout or the meaning of its numbers changes
+
+
+@dataclass(frozen=True)
+class CostKey:
+    """What measured costs depend on. pair_fingerprint: see `pair_fingerprint`; device_name: e.g.
+    torch.cuda.get_device_name() or 'cpu (2 threads)'; dtype: 'float32', 'bfloat16', ...; backend:
+    the runner's name; version: the project's version; max_batch and capacity (the cache length S):
+    the graphs' static shapes; block_size: B; options: anything else that changes the timed code
+    (CUDA graphs on/off, fast kernels, the grid), as one string."""
+
+    pair_fingerprint: str
+    device_name: str
+    dtype: str
+    backend: str
+    version: str
+    max_batch: int = 1
+    capacity: int = 0
+    block_size: int = 0
+    options: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        blob = json.dumps({"format": FORMAT, **self.as_dict()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def default_cache_dir() -> Path:
+    """<the project's cache folder>/costs ($TREEFLASH_CACHE or ~/.cache/treeflash)."""
+    from treeflash_export.smollm import cache_root
+
+    return cache_root() / "costs"
+
+
+class CostCache:
+    """Measured cost models on disk, one file per CostKey under `root`."""
+
+    def __init__(self, root: Path | str | None = None):
+        self.root = Path(root) if root is not None else default_cache_dir()
+
+    def path(self, key: CostKey) -> Path:
+        return self.root / f"costs-{key.digest()}.json"
+
+    def load(self, key: CostKey, log: Callable[[str], None] | None = None) -> CostModel | None:
+        """The cached model for `key`, or None when absent, unreadable or made for another key."""
+        path = self.path(key)
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != FORMAT or data.get("key") != key.as_dict():
+                raise ValueError("made for another key or format")
+            return CostModel.from_json(data["costs"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # JSON errors are ValueErrors; wrong types surface as Key/Type/AttributeErrors.
+            if log:
+                log(f"tuning: ignoring the cost cache {path.name} ({type(exc).__name__}: {exc}); measuring again")
+            return None
+
+    def save(self, key: CostKey, model: CostModel) -> Path:
+        path = self.path(key)
+        self.root.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"format": FORMAT, "key": key.as_dict(), "costs": model.to_json()}, indent=1, sort_keys=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.root)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def get_or_measure(self, key: CostKey, buckets: list[int], measure_buckets: Callable[[list[int]], CostModel],
+                       retune: bool = False, log: Callable[[str], None] | None = None) -> CostModel:
+        """The cached model when it covers `buckets`; else measures what is missing (everything with
+        retune) through measure_buckets(buckets) -> CostModel, saves the union and returns it."""
+        have = None if retune else self.load(key, log)
+        missing = list(buckets) if have is None else [b for b in buckets if b not in have.buckets]
+        if not missing:
+            return have
+        fresh = measure_buckets(missing)
+        model = fresh if have is None else have.merged(fresh)
+        self.save(key, model)
+        return model
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes, offsets): 8 bytes of
+    little-endian length, then the header. Reading it costs one small read, whatever the file size."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100_000_000:
+            raise ValueError(f"{path.name}: not a safetensors file (header of {n} bytes)")
+        return f.read(n)
+
+
+def pair_fingerprint(*sources) -> str:
+    """A short hash of what a round's costs depend on: the shapes and dtypes of the pair, not the
+    values of its weights (timing does not depend on them), so it is cheap and survives copies.
+
+    Each source is one of:
+    - a folder or a file path: *.json files by content (configs, tokenizers), *.safetensors by their
+      header (names, dtypes, shapes) and size, any other file (ONNX, engines, .bin) by name, size
+      and modification time; folders recursively, hidden entries skipped;
+    - a state dict (a mapping whose values have .shape and .dtype): names, shapes and dtypes;
+    - any other mapping (e.g. a config dict): its JSON.
+    """
+    h = hashlib.sha256()
+
+    def add(tag: str, payload: bytes) -> None:
+        h.update(f"{tag}:{len(payload)}:".encode())
+        h.update(payload)
+
+    def add_file(path: Path, name: str) -> None:
+        if path.suffix == ".json":
+            add(f"json {name}", path.read_bytes())
+        elif path.suffix == ".safetensors":
+            add(f"safetensors {name} {path.stat().st_size}", _safetensors_header(path))
+        else:
+            st = path.stat()
+            add(f"file {name}", f"{st.st_size} {st.st_mtime_ns}".encode())
+
+    for src in sources:
+        if isinstance(src, Mapping):
+            items = sorted(src.items(), key=lambda kv: str(kv[0]))
+            if items and all(hasattr(v, "shape") and hasattr(v, "dtype") for _, v in items):
+                add("state_dict", "\n".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in items).encode())
+            else:
+                add("mapping", json.dumps(src, sort_keys=True, default=str).encode())
+            continue
+        path = Path(src)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*")
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            add("folder", str(len(files)).encode())
+            for p in files:
+                add_file(p, p.relative_to(path).as_posix())
+        elif path.is_file():
+            add_file(path, path.name)
+        else:
+            raise FileNotFoundError(f"cannot fingerprint {path}: no such file or folder")
+    return h.hexdigest()[:16]
