@@ -89,7 +89,13 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
                    "tokens/s, time to first token, inter-token latency and whether outputs match concurrency 1. "
                    "With --server: the same, through the server (after an in-process row). [default with "
                    "--server: 1,8]")
-@click.option("--requests", type=int, default=16, help="With --concurrency or --server: distinct prompts per row.")
+@click.option("--openai", "openai_url", default=None, metavar="URL",
+              help="Instead: the same rows through an OpenAI-compatible server (treeflash-serve, e.g. "
+                   "http://127.0.0.1:8000): streamed greedy completions at each --concurrency [default: 1,8], "
+                   "tokens/s, time to first token, inter-token latency, and whether outputs equal the first row's.")
+@click.option("--api-key", default=None, envvar="TREEFLASH_API_KEY", help="With --openai: the server's API key.")
+@click.option("--requests", type=int, default=16, help="With --concurrency, --server or --openai: distinct prompts "
+              "per row.")
 @click.option("--server-model", default="treeflash", help="With --server: the served model to load.")
 @click.option("--tree-size-by-batch", default="", metavar="B:N,...",
               help="With --concurrency: a smaller tree when more requests share a round (see treeflash-run).")
@@ -117,7 +123,7 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
                    "are on, else eagerly and synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
-         concurrency, requests, server_model, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
+         concurrency, openai_url, api_key, requests, server_model, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
          cuda_graphs, compile_steps, fast_kernels, batch_sizes, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
@@ -130,6 +136,10 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
                      device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json, batch_sizes)
         return
     tree_sizes = tree_sizes or str(TreeConfig.tree_size)
+    if openai_url is not None:
+        _openai_main(openai_url, api_key, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens,
+                     [int(c) for c in _split(concurrency or "1,8")], requests, ignore_eos, as_json)
+        return
     if server is not None:
         _serving_main(artifacts, server, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens,
                       [int(c) for c in _split(concurrency or "1,8")], requests, as_json, server_model)
@@ -219,6 +229,17 @@ def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, reque
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     click.echo(json.dumps(report) if as_json else format_serving_report(report))
+
+
+def _openai_main(url, api_key, prompts, max_new_tokens, concurrency, requests, ignore_eos, as_json):
+    from .openai_load import format_openai_report, run_openai_bench
+
+    try:
+        report = run_openai_bench(url, prompts, max_new_tokens, concurrency, requests, api_key, ignore_eos)
+    except TreeFlashError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else format_openai_report(report))
 
 
 def _prompt_ids(source, tokenizer) -> list[list[int]]:

@@ -32,12 +32,13 @@ def _timing(arrivals: list[tuple[float, int]]) -> dict:
     return {"ttft_s": first, "itl_s": (last - first) / later if later else 0.0, "e2e_s": last}
 
 
-def _row(where: str, concurrency: int, per_request: list[dict], wall_s: float, reference=None) -> dict:
-    """The fields of treeflash-bench --concurrency's rows (bench.batching), plus requests per second."""
+def serving_row(where: str, concurrency: int, per_request: list[dict], wall_s: float, reference=None) -> dict:
+    """The fields of treeflash-bench --concurrency's rows (bench.batching), plus requests per second.
+    per_request: ttft_s, itl_s, tokens and ``output`` (what must equal the reference's)."""
     from .batching import summary_ms
 
     tokens = sum(r["tokens"] for r in per_request)
-    same = reference is None or all(r["token_ids"] == ref["token_ids"] for r, ref in zip(per_request, reference))
+    same = reference is None or all(r["output"] == ref["output"] for r, ref in zip(per_request, reference))
     return {"where": where, "concurrency": concurrency, "requests": len(per_request),
             "ttft_ms": summary_ms([r["ttft_s"] for r in per_request]),
             "itl_ms": summary_ms([r["itl_s"] for r in per_request]), "requests_per_s": len(per_request) / wall_s,
@@ -56,7 +57,7 @@ def _in_process(sess, prompts: list[str], max_new_tokens: int) -> tuple[list[dic
         res = generate(sess.runner, ids, sess.tree, sampling,
                        on_tokens=lambda new: arrivals.append((time.perf_counter() - t0, len(new))))
         wall += time.perf_counter() - t0
-        out.append(dict(_timing(arrivals), tokens=res.stats.new_tokens, token_ids=res.token_ids))
+        out.append(dict(_timing(arrivals), tokens=res.stats.new_tokens, output=res.token_ids))
     return out, wall
 
 
@@ -80,7 +81,7 @@ def _through_server(server: str, prompts: list[str], max_new_tokens: int, concur
             except TreeFlashError as exc:
                 errors.append(str(exc))
                 return
-            results[i] = dict(_timing(r.arrivals), tokens=r.new_tokens, token_ids=r.token_ids)
+            results[i] = dict(_timing(r.arrivals), tokens=r.new_tokens, output=r.token_ids)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     t0 = time.perf_counter()
@@ -107,10 +108,10 @@ def run_serving_bench(artifacts: str, server: str, prompts: list[str], max_new_t
     _in_process(sess, batch[:1], max_new_tokens)  # warm-up (the server warmed up when it loaded)
     _through_server(server, batch[:1], max_new_tokens, 1, model)
     local, local_wall = _in_process(sess, batch, max_new_tokens)
-    rows = [_row("in_process", 1, local, local_wall)]
+    rows = [serving_row("in_process", 1, local, local_wall)]
     for c in sorted(set(concurrency)):
         results, wall = _through_server(server, batch, max_new_tokens, c, model)
-        rows.append(_row("server", c, results, wall, local))
+        rows.append(serving_row("server", c, results, wall, local))
     served = [r for r in rows if r["where"] == "server"]
     for r in served:
         r["ratio_to_first"] = r["tokens_per_s"] / served[0]["tokens_per_s"]
@@ -119,16 +120,24 @@ def run_serving_bench(artifacts: str, server: str, prompts: list[str], max_new_t
             "backend": "onnxruntime"}
 
 
-def format_serving_report(report: dict) -> str:
-    head = (f"{'where':<11} {'conc':>4} {'reqs':>4} {'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} "
-            f"{'req/s':>7} {'tok/s':>8} {'same':>5}")
-    lines = [head, "-" * len(head)]
+def serving_table(rows: list[dict]) -> list[str]:
+    """The rows of a serving report (in process, Triton, OpenAI), one line each under a header."""
     from .batching import latency_cells
 
-    for r in report["rows"]:
+    head = (f"{'where':<11} {'conc':>4} {'reqs':>4} {'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} "
+            f"{'req/s':>7} {'tok/s':>8} {'x first':>7} {'same':>5}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
         ttft, itl = latency_cells(r)
+        ratio = f"{r['ratio_to_first']:.2f}" if "ratio_to_first" in r else "-"
         lines.append(f"{r['where']:<11} {r['concurrency']:>4} {r['requests']:>4} {ttft:>22} {itl:>21} "
-                     f"{r['requests_per_s']:>7.2f} {r['tokens_per_s']:>8.1f} {str(r['identical_outputs']):>5}")
+                     f"{r['requests_per_s']:>7.2f} {r['tokens_per_s']:>8.1f} {ratio:>7} "
+                     f"{str(r['identical_outputs']):>5}")
+    return lines
+
+
+def format_serving_report(report: dict) -> str:
+    lines = serving_table(report["rows"])
     lines.append(f"model {report['model']}: greedy outputs identical in process and through the server: "
                  f"{report['identical_outputs']} "
                  f"({report['prompts']} prompts, {report['max_new_tokens']} new tokens, in-process backend "

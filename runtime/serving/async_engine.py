@@ -116,9 +116,9 @@ class AsyncEngine:
     def submit(self, prompt_ids: list[int], req) -> Generation:
         """req: a checked CompletionRequest or ChatCompletionRequest. Refusals are APIErrors."""
         runner = self.session.runner
-        if self.waiting() >= self.max_queue:
-            raise APIError(429, f"the queue is full ({self.max_queue} requests wait for a slot): retry later",
-                           type="rate_limit_error", code="queue_full")
+        if len(self.in_flight) >= runner.max_batch + self.max_queue:  # every slot taken and the queue full
+            raise APIError(429, f"the queue is full ({runner.max_batch} requests run, {self.max_queue} wait for a "
+                                f"slot): retry later", type="rate_limit_error", code="queue_full")
         bad = next((t for t in prompt_ids if not 0 <= t < runner.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0..{runner.vocab_size - 1})",

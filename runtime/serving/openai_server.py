@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -201,6 +202,10 @@ def create_app(load: Callable[[], object], served_model: str, *, api_key: str | 
     return app
 
 
+def _exit_cleanly(signum, frame):
+    raise SystemExit(0)
+
+
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -271,6 +276,10 @@ def main(model, drafter, artifacts, verify_checksums, mode, tree_size, top_m, to
                                            timeout_graceful_shutdown=max(shutdown_timeout, 0.0)))
     click.echo(f"treeflash-serve: loading {name!r}; serving on http://{host}:{port}/v1 (GET /health answers 200 "
                f"once ready)", err=True)
+    # Once it has shut down, uvicorn raises the signal it stopped on again for the handler that was there
+    # before it: this one makes that a clean exit (status 0) rather than death by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     server.run()
     if failed:
         click.echo(f"error: {failed[0]}", err=True)
