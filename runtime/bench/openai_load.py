@@ -51,8 +51,10 @@ class _Client:
 
     def model(self) -> str:
         conn, response = self._open("GET", "/models")
-        with conn:
+        try:
             return json.loads(response.read())["data"][0]["id"]
+        finally:
+            conn.close()
 
     def stream(self, body: dict) -> dict:
         """One streamed completion: its text, completion tokens and chunk arrival times."""
@@ -60,7 +62,7 @@ class _Client:
         conn, response = self._open("POST", "/completions", dict(body, stream=True,
                                                                  stream_options={"include_usage": True}))
         pieces, times, usage = [], [], None
-        with conn:
+        try:
             for raw in response:  # server-sent events, one "data: ..." line each
                 line = raw.decode("utf-8").strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -74,6 +76,8 @@ class _Client:
                     if choice.get("text"):
                         pieces.append(choice["text"])
                         times.append(time.perf_counter() - t0)
+        finally:
+            conn.close()
         if usage is None or not times:
             raise TreeFlashError("the server's stream ended without text or usage")
         tokens = usage["completion_tokens"]

@@ -110,6 +110,11 @@ def create_app(load: Callable[[], object], served_model: str, *, api_key: str | 
         return await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path}: "
                                                  f"{exc.detail}", code=what))
 
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc: Exception):  # a bug: still OpenAI's shape (uvicorn logs the traceback)
+        return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                 type="server_error"))
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
         return await api_error(request, APIError(400, str(exc.errors()[0].get("msg", exc))))

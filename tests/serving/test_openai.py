@@ -421,6 +421,21 @@ def test_metrics_parse_and_add_up_to_the_responses(server):
     assert after["treeflash_requests_running"] == 0 and after["treeflash_requests_waiting"] == 0
 
 
+def test_bench_through_the_server_reports_rows_and_identical_outputs(server):
+    from treeflash_runtime.bench.cli import main as bench_main
+
+    r = CliRunner().invoke(bench_main, ["--openai", server.url, "--api-key", KEY, "--concurrency", "1,2",
+                                        "--requests", "3", "--max-new-tokens", "6", "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["model"] == "tiny" and report["identical_outputs"] is True
+    assert [(row["where"], row["concurrency"], row["requests"], row["tokens"]) for row in report["rows"]] == [
+        ("openai", 1, 3, 18), ("openai", 2, 3, 18)]
+    assert all(row["tokens_per_s"] > 0 and row["ttft_ms"]["p50"] > 0 for row in report["rows"])
+    r = CliRunner().invoke(bench_main, ["--openai", server.url, "--concurrency", "1"])  # no key
+    assert r.exit_code == 2 and "HTTP 401" in r.stderr
+
+
 # ---------------------------------------------------------------- life
 
 
