@@ -63,14 +63,12 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
     pair = load_pair(model, drafter if tree.mode != "ar" else None, dtype=torch_dtype, device=dev, check=check,
                      log=log)
     t0 = time.perf_counter()
-    if max_batch:  # request slots served together (in-flight batching)
-        from .backends.slots import SlotRunner
+    if max_batch:  # request slots served together (in-flight batching), with the deployment's tree
+        from .backends.torch_backend import TorchRunner
 
-        if compile_steps:
-            raise TreeFlashError("--compile does not apply with --max-batch (request slots run their own rounds)")
-        runner = SlotRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree,
-                            tree_size_by_batch=tree_size_by_batch, cuda_graphs=cuda_graphs, fast_kernels=fast_kernels,
-                            log=log)
+        runner = TorchRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree,
+                             tree_size_by_batch=tree_size_by_batch, cuda_graphs=cuda_graphs,
+                             compile=compile_steps, fast_kernels=fast_kernels, log=log)
     else:
         runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity, cuda_graphs=cuda_graphs,
                                            compile=compile_steps, fast_kernels=fast_kernels, log=log)

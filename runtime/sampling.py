@@ -32,20 +32,6 @@ def verifier_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
     return probs
 
 
-def choose_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                  generator: torch.Generator | None) -> torch.Tensor:
-    """[n, V] -> [n] int64: the verifier's token after each row.
-
-    Sampling is an exponential race: argmax of p / E with E ~ Exp(1) independent per token
-    picks token i with probability p_i exactly, with fixed shapes and elementwise kernels only,
-    so it runs inside a captured round (torch.multinomial makes no such promise)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = verifier_probs(logits, temperature, top_p)
-    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    return (probs / race).argmax(dim=-1)
-
-
 def accept(tree: Tree, y: torch.Tensor, max_path: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Deepest accepted node b*, in fixed shapes (no host read):
 
@@ -67,19 +53,34 @@ def accept(tree: Tree, y: torch.Tensor, max_path: int | None = None) -> tuple[to
     return order[: max_path or N], depth[best][0] + 1, y[best][0]
 
 
-# ------------------------------------------------------------------ keyed sampling (request slots)
+# ------------------------------------------------------------------ keyed sampling
 #
-# A served request's draws must depend on its own seed only, never on which slot it holds or who
-# shares its rounds. So the exponential race takes its noise from a hash of (seed, position,
-# token id) instead of a generator: the token at position t is argmax_v p(v) / E(seed, t, v) with
-# E = -log U, U uniform in (0, 1). Every tree node at depth d draws the noise of position P + d + 1;
-# siblings share it, but only one node per depth lies on the accepted path, so the tokens emitted
-# are exactly those of sequential sampling with the same noise: the same for any tree, mode or
-# batch, and for plain decoding with the same seed.
+# A request's draws must depend on its own seed only, never on which slot it holds, who shares its
+# rounds, or the tree. So each position draws one uniform from a hash of (seed, position), and the
+# token at position t is the inverse CDF of the verifier's (temperature, top-p) distribution at
+# that uniform: the first token whose cumulative kept probability passes U * (kept mass). Every tree node
+# at depth d chooses the token of position P + d + 1; siblings share the uniform, but only one node
+# per depth lies on the accepted path, so the tokens emitted are exactly those of sequential
+# sampling with the same uniforms: the same for any tree, mode or batch, and for plain decoding.
+# The nucleus only zeroes the tokens it drops; the inverse CDF always walks the vocabulary order.
+#
+# Costs: the hash is [k, n] (one number per row, never one per vocabulary entry); rows are handled
+# in chunks of about ROW_CHUNK_ELEMENTS vocabulary entries, so the float32 temporaries stay bounded
+# whatever slots x tree nodes is; the nucleus sort runs only when some request asks for top-p < 1.
+
+GREEDY, SAMPLE, NUCLEUS = 0, 1, 2  # sampling kinds: what the round's sampler must compute
+ROW_CHUNK_ELEMENTS = 1 << 24  # vocabulary entries per chunk of rows (64 MiB per float32 temporary)
 
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as int64 (torch has no uint64 arithmetic)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def sampling_kind(temperature: float, top_p: float) -> int:
+    """What one request needs of the sampler: GREEDY, SAMPLE or NUCLEUS (sampling with top-p < 1)."""
+    if temperature <= 0:
+        return GREEDY
+    return NUCLEUS if top_p < 1.0 else SAMPLE
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -94,26 +95,45 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def keyed_uniform(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """seed [k] int64, positions [k, n] int64 -> U [k, n, vocab] float32 in (0, 1), a pure function
-    of (seed, position, token id): 24 bits of a splitmix64 hash, offset by half a step."""
-    z = _mix(seed.reshape(-1, 1, 1) + _GOLDEN)
-    z = _mix(z + (positions[..., None] + 1) * _GOLDEN)
-    z = _mix(z + (torch.arange(vocab, device=seed.device) + 1) * _GOLDEN)
+def keyed_uniform(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """seed [k] int64, positions [k, n] int64 -> U [k, n] float32 in (0, 1), a pure function of
+    (seed, position): 24 bits of a splitmix64 hash, offset by half a step."""
+    z = _mix(seed.reshape(-1, 1) + _GOLDEN)
+    z = _mix(z + (positions + 1) * _GOLDEN)
     return (_shr(z, 40).float() + 0.5) * 2.0**-24
 
 
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """probs [r, V] float32, u [r], top_p [r] or None (no nucleus) -> [r] int64: the first token in
+    vocabulary order whose cumulative kept mass passes u times all the kept mass. A token of
+    probability 0 (or outside the nucleus) is never chosen; a row with top_p >= 1 gives the same
+    token with or without the nucleus step, so a request's tokens do not depend on its neighbours."""
+    if top_p is not None:
+        probs = torch.where(nucleus(probs, top_p[:, None]), probs, torch.zeros_like(probs))
+    cum = probs.cumsum(-1)
+    target = (u * cum[:, -1])[:, None]
+    return torch.searchsorted(cum, target, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+
+
 def choose_tokens_keyed(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                        positions: torch.Tensor, sampling: bool) -> torch.Tensor:
-    """logits [k, n, V]; per slot temperature, top_p [k] float and seed [k] int64; positions [k, n]
+                        positions: torch.Tensor, kind: int) -> torch.Tensor:
+    """logits [k, n, V]; per request temperature, top_p [k] float and seed [k] int64; positions [k, n]
     (the position of the token each row chooses) -> [k, n] int64. Greedy where temperature is 0.
-    sampling (known to the host): whether any slot samples; if not, only the argmax is computed."""
+    kind (known to the host, the largest of the requests' sampling_kind): GREEDY computes only the
+    argmax; SAMPLE skips the nucleus sort (every request has top_p >= 1)."""
     greedy = logits.argmax(dim=-1)
-    if not sampling:
+    if kind == GREEDY:
         return greedy
-    t = temperature.clamp_min(1e-6).reshape(-1, 1, 1)
-    probs = torch.softmax(logits.float() / t, dim=-1)
-    keep = nucleus(probs, top_p.reshape(-1, 1, 1))
-    noise = -torch.log(keyed_uniform(seed, positions, probs.shape[-1]))  # Exp(1) per (position, token)
-    race = torch.where(keep, probs, torch.zeros_like(probs)) / noise
-    return torch.where(temperature.reshape(-1, 1) > 0, race.argmax(dim=-1), greedy)
+    k, n, V = logits.shape
+    rows = logits.reshape(k * n, V)
+    t = temperature.clamp_min(1e-6).repeat_interleave(n)  # [k * n]
+    p = top_p.float().repeat_interleave(n) if kind == NUCLEUS else None
+    u = keyed_uniform(seed, positions).reshape(-1)
+    step = max(1, ROW_CHUNK_ELEMENTS // V)
+    picks = []
+    for r in range(0, k * n, step):  # static in the shapes: a captured round unrolls it
+        part = slice(r, r + step)
+        probs = torch.softmax(rows[part].float() / t[part, None], dim=-1)
+        picks.append(_inverse_cdf(probs, u[part], None if p is None else p[part]))
+    sampled = torch.cat(picks).reshape(k, n)
+    return torch.where(temperature.reshape(-1, 1) > 0, sampled, greedy)

@@ -18,7 +18,7 @@ from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.errors import ConfigError, TreeFlashError
 from treeflash_export.tree import Tree, chain_tree
 
-from ..sampling import accept, choose_tokens
+from ..sampling import accept, choose_tokens_keyed, sampling_kind
 
 # name -> (module, class, what to install when the import fails). Imported lazily.
 BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -95,23 +95,26 @@ class StagedRunner(Runner):
     def begin(self, prompt, tree, sampling):
         self.reset()
         self._tree = tree
-        gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        self._pick = lambda logits: choose_tokens(logits, sampling.temperature, sampling.top_p, gen)
+        settings = [torch.tensor([x], device=self.device) for x in (sampling.temperature, sampling.top_p, sampling.seed)]
+        kind = sampling_kind(sampling.temperature, sampling.top_p)
+        # Keyed sampling, as the torch backend's: the token at position t draws from (seed, t) alone.
+        self._pick = lambda logits, positions: choose_tokens_keyed(logits[None], *settings, positions[None], kind)[0]
         logits, self._ctx = self.prefill(prompt)
-        self._root = int(self._pick(logits[None])[0])
-        self._past, self._ctx_start = int(prompt.shape[0]), 0
+        n = int(prompt.shape[0])
+        self._root = int(self._pick(logits[None], torch.tensor([n], device=self.device))[0])
+        self._past, self._ctx_start = n, 0
         return self._root
 
     def round(self):
         P, root = self._past, self._root
         if self._tree.mode == "ar":
             logits, _ = self.verify(chain_tree(torch.tensor([root], device=self.device)), P)
-            self._root = int(self._pick(logits)[0])
+            self._root = int(self._pick(logits, torch.tensor([P + 1], device=self.device))[0])
             self._past = P + 1
             return [self._root]
         draft = self.propose(root, self._ctx, self._ctx_start, P, self._tree)
         logits, feats = self.verify(draft, P)
-        path, tau, bonus = accept(draft, self._pick(logits))
+        path, tau, bonus = accept(draft, self._pick(logits, P + 1 + draft.depths))
         path = path[: int(tau)]
         self.commit(P, path)
         self._ctx, self._ctx_start = feats[path], P
@@ -134,11 +137,13 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def allocate_caches(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
-                    capacity: int, slots: int = 0) -> dict[str, torch.Tensor]:
+                    capacity: int, slots: int = 0, extra: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """Zeroed caches, after checking that they fit: a one-line error names the bytes needed and
     the bytes free instead of an allocator traceback. slots: request slots sharing them (0: one
-    sequence, no --max-batch)."""
+    sequence, no --max-batch). extra: other bytes the runner will need beside them, by name (the
+    captured rounds' workspace), counted in the check but not allocated here."""
     sizes = {name: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for name, shape in shapes.items()}
+    sizes.update({name: b for name, b in (extra or {}).items() if b})
     free = free_memory(device)
     need = sum(sizes.values())
     if free is not None and need > free:

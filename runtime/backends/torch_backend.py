@@ -1,15 +1,31 @@
-"""PyTorch backend: the model definitions, with the whole round resident on the device.
+"""PyTorch backend: one round code for one sequence and for many requests (request slots).
 
-A round reads and writes only preallocated tensors (``DeviceState``) and never a host
-value, so on CUDA it is captured once as a CUDA graph and replayed (``cuda_graphs``);
-the host reads back one small buffer per round (the tokens gained and their count).
-Elsewhere, and with graphs off, the same functions run eagerly: that is how the tests
-prove the device-resident round exact on CPU.
+The round state has a slot axis: per slot its verifier and drafter caches (side by side on the
+caches' sequence axis, slot m at m * S'), its committed length, root, pending drafter context,
+output row, sampling settings and an active flag. One round drafts (one drafter pass for all
+slots), expands and builds each slot's tree, verifies all trees in one verifier pass (slots x N
+nodes, each slot attending to its own cache up to its own length), and accepts and commits per
+slot in fixed shapes; the host reads back one [slots, B + 1] buffer. Plain decoding is the same
+round with a one-node tree. A single sequence (``treeflash-run``, the Runner contract's
+``begin``/``round``) is the one-slot case: the same prefill, the same round, the same captures.
+
+Slots are kept packed (the occupied ones are 0..occupied-1; ``release`` moves the last one into a
+freed slot), so a round over the first b slots serves everyone, and b is a bucket (1, 2, 4, ...,
+max_batch). On CUDA each (bucket, tree setting, sampling kind) round and each prefill group size
+is captured once as a graph and replayed; with a fixed deployment tree (serving) all of them are
+captured at start-up. A slot still being prefilled, or left idle inside a bucket, is inactive: the
+round computes it but changes none of its state.
+
+Sampling is keyed (treeflash_runtime.sampling.choose_tokens_keyed): a request's tokens depend on
+its prompt, settings and seed only, whatever shares its rounds and whatever its tree. Graph keys
+hold the sampling kind (greedy, sampling, sampling with top-p), never the values: temperature,
+top-p and seed are per-slot device tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -21,28 +37,33 @@ from treeflash_export.models import TreeVerifier
 from treeflash_export.models.expand import marginal_tables, treeflash_tables
 from treeflash_export.tree import Tables, Tree, build_tree
 
-from ..sampling import accept, choose_tokens
+from ..loop import checked_tree
+from ..sampling import GREEDY, NUCLEUS, SAMPLE, accept, choose_tokens_keyed, sampling_kind
 from .base import Runner, allocate_caches
+from .slots import bucket_sizes, power_of_two_groups, tree_sizes_by_bucket
 
-# Prompt tokens per prefill pass when prefill is captured (CUDA graphs); eager prefill takes the
-# whole prompt at once. The caches carry this many spare slots so padded passes never overflow.
+# Prompt tokens per prefill pass when prefill is captured (CUDA graphs); eager prefill takes a whole
+# chunk at once. Each slot's cache carries this many spare slots so padded passes never overflow.
 PREFILL_CHUNK = 256
+KINDS = (GREEDY, SAMPLE, NUCLEUS)
 
 
 @dataclass
-class DeviceState:
+class RoundState:
     """What a round reads and writes, preallocated once per runner (graphs keep their addresses).
+    M slots; S' = per-slot cache slots (capacity + spare).
 
-    kv        [L, 2, Hkv, S', D]  verifier cache; slots < past_len are committed
-    draft_kv  [Ld, 2, Hkv, S', D] drafter context cache; slots < past_len - pending_count are filled
-    past_len  [] int64            P, committed tokens
-    root      [1] int64           the last emitted token: node 0 of the next tree, at position P
-    pending   [B, F]              verifier features of the tokens the last round committed (positions
-                                  P - pending_count ..), still to enter the drafter's cache
-    pending_count [] int64
-    out       [B + 1] int64       out[0] = tokens gained by the last call, out[1:1 + out[0]] the tokens
-    S' = capacity + spare slots. A round accepts at most min(N, B) nodes (path_len), the rows of
-    pending and out that it uses.
+    kv        [L, 2, Hkv, M * S', D]   verifier caches, slot m's at m * S'; slots < past_len are committed
+    draft_kv  [Ld, 2, Hkv, M * S', D]  drafter context caches; slots < past_len - pending_count are filled
+    past_len  [M] int64   committed tokens
+    root      [M] int64   the last emitted token: node 0 of the next tree, at position past_len
+    pending   [M, B, F]   verifier features of the tokens the last round committed, still to enter
+                          the drafter's cache (positions past_len - pending_count ..)
+    pending_count [M] int64
+    out       [M, B + 1] int64  out[m, 0] = tokens gained by slot m in the last call, then the tokens
+    active    [M] bool    the round advances this slot (False: idle, or still being prefilled)
+    temperature, top_p [M] float32; seed [M] int64: the slot's request's sampling
+    A round accepts at most min(N, B) nodes per slot (path_len), the rows of pending and out it uses.
     """
 
     kv: torch.Tensor
@@ -52,6 +73,10 @@ class DeviceState:
     pending: torch.Tensor
     pending_count: torch.Tensor
     out: torch.Tensor
+    active: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
 
 
 def fast_kernels_default(device: torch.device, compiled: bool) -> bool:
@@ -65,12 +90,12 @@ def fast_kernels_default(device: torch.device, compiled: bool) -> bool:
 
 
 def build_tree_fast(tables: Tables, root: torch.Tensor, tree_size: int) -> Tree:
-    """The tree-build kernel (treeflash_kernels.build_tree) on CUDA where it fits, else the tree
-    algebra's build_tree: the same tree either way."""
+    """The tree-build kernel (treeflash_kernels.build_tree, one program per tree) on CUDA where it
+    fits, else the tree algebra's build_tree: the same trees either way. Single or batched tables."""
     from treeflash_kernels import build_tree as bt
     from treeflash_kernels.mlp_expand import runs_triton
 
-    D, _, K = tables.tokens.shape
+    D, _, K = tables.tokens.shape[-3:]
     if runs_triton(tables.tokens) and bt.kernel_fits(D, K, tree_size):
         return Tree(*bt.build_tree_triton(tables, root, tree_size))
     return build_tree(tables, root, tree_size)
@@ -87,23 +112,32 @@ def _project_cache(variable: str, name: str) -> None:
 
 
 class TorchRunner(Runner):
+    """The model pair on PyTorch with ``max_batch`` request slots (1: one sequence). ``tree``: the
+    deployment's tree setting (serving; resolved here), or None to take each generation's from
+    ``begin`` (one sequence); ``tree_size_by_batch`` may give a smaller tree size for larger buckets."""
+
     name = "torch"
 
-    def __init__(self, verifier_hf, drafter=None, *, capacity: int, fused: bool = True,
-                 cuda_graphs: bool = True, compile: bool = False, fast_kernels: bool | None = None, log=None):
+    def __init__(self, verifier_hf, drafter=None, *, capacity: int, max_batch: int = 1, tree: TreeConfig | None = None,
+                 tree_size_by_batch: dict[int, int] | None = None, fused: bool = True, cuda_graphs: bool = True,
+                 compile: bool = False, fast_kernels: bool | None = None, capture_at_start: bool = True, log=None):
         """verifier_hf: a Hugging Face causal LM; drafter: a TreeFlashDrafter or None (plain decoding only).
         fused: the TreeFlash head through torch.ops.treeflash.mlp_expand (the Triton kernels on CUDA,
         the PyTorch reference elsewhere) rather than the module composition.
-        cuda_graphs: on CUDA, capture prefill passes, rounds and plain steps once each (per tree and
-        sampling setting) and replay them; ignored elsewhere. compile: torch.compile the prefill pass,
-        the round and the plain step (Inductor fuses the elementwise work between the GEMMs), with its
-        cache under the project's cache folder. fast_kernels: kernels that save launches, each with
-        a PyTorch reference: the decoder layers through merged projections and the layer kernels
-        (models.fused, treeflash_kernels.layer_ops) rather than the Hugging Face modules, the
-        expansion's top-k log-probabilities in one read of the logits (treeflash_kernels.topk_logprobs)
-        and the tree built in one kernel (treeflash_kernels.build_tree, exactly the reference's tree);
-        None = where they run as Triton kernels (CUDA; on CPU the references only add dispatch
-        cost) and the steps are not compiled. log: progress lines."""
+        cuda_graphs: on CUDA, capture prefill passes and rounds once each (per bucket, tree setting
+        and sampling kind) and replay them; ignored elsewhere. compile: torch.compile the prefill pass
+        and the round (Inductor fuses the elementwise work between the GEMMs), with its cache under
+        the project's cache folder. fast_kernels: kernels that save launches, each with a PyTorch
+        reference: the decoder layers through merged projections and the layer kernels (models.fused,
+        treeflash_kernels.layer_ops) rather than the Hugging Face modules, the expansion's top-k
+        log-probabilities in one read of the logits (treeflash_kernels.topk_logprobs) and the trees
+        built in one kernel (treeflash_kernels.build_tree, exactly the reference's trees); None =
+        where they run as Triton kernels (CUDA; on CPU the references only add dispatch cost) and the
+        steps are not compiled. capture_at_start: with a deployment tree and graphs on, capture every
+        graph serving can need now (capture_all) rather than on first use. log: progress lines."""
+        if max_batch < 1:
+            raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
+        self.max_batch = int(max_batch)
         self.drafter = drafter
         self.fused = fused
         tap_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
@@ -131,45 +165,60 @@ class TorchRunner(Runner):
         self.log = log or (lambda msg: None)
         self.timer: dict[str, float] | None = None  # stage name -> seconds, when a benchmark asks
         self._marks: list | None = None  # (stage, start, end) CUDA events recorded into a timing capture
-        self.state = self._allocate()
-        # Every count a prefill chunk can have, on the device: a chunk's count is a view, never a copy.
-        self._chunk_counts = torch.arange(PREFILL_CHUNK + 1, device=self.device)
+        self.buckets = bucket_sizes(self.max_batch)
+        self.slot_size = self.capacity + max(PREFILL_CHUNK, self.block_size)
+        self.state = self._allocate(tree, tree_size_by_batch)
+        # The host's mirror of what it knows without reading the device: each slot's committed length
+        # (from the tokens each call returns) and its request's sampling kind.
+        self.host_len = [0] * self.max_batch
+        self.host_kind = [GREEDY] * self.max_batch
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
-        self.generator = torch.Generator(device=self.device)
         self.compiled = bool(compile)
         if self.compiled:
             self._compile_steps()
+        self.tree: TreeConfig | None = None
+        if tree is not None:
+            self.configure(tree, tree_size_by_batch)
+            if self.use_graphs and capture_at_start:
+                self.capture_all()
 
     # ------------------------------------------------------------------ state
 
-    def _allocate(self) -> DeviceState:
-        v, dev = self.verifier, self.device
-        slots = self.capacity + max(PREFILL_CHUNK, self.block_size)
-        shapes = {"verifier cache": (v.num_layers, 2, v.num_kv_heads, slots, v.head_dim)}
+    def _allocate(self, tree: TreeConfig | None, table: dict[int, int] | None) -> RoundState:
+        v, dev, M, S = self.verifier, self.device, self.max_batch, self.slot_size
+        shapes = {"verifier cache": (v.num_layers, 2, v.num_kv_heads, M * S, v.head_dim)}
         if self.drafter is not None:
             c = self.drafter.cfg
-            shapes["drafter cache"] = (c.num_layers, 2, c.num_kv_heads, slots, c.head_dim)
-        caches = allocate_caches(shapes, self.dtype, dev, self.capacity)
+            shapes["drafter cache"] = (c.num_layers, 2, c.num_kv_heads, M * S, c.head_dim)
         feat = len(v.tap_layer_ids) * v.hidden_size
-        zero = torch.zeros((), dtype=torch.long, device=dev)
-        return DeviceState(
-            kv=caches["verifier cache"], draft_kv=caches.get("drafter cache"), past_len=zero.clone(),
-            root=torch.zeros(1, dtype=torch.long, device=dev),
-            pending=torch.zeros(self.block_size, feat, dtype=self.dtype, device=dev), pending_count=zero.clone(),
-            out=torch.zeros(self.block_size + 1, dtype=torch.long, device=dev),
+        # The captured rounds share one memory pool, which holds about the largest round's
+        # temporaries: logits [M, N, V] and the layers' activations over M x N rows.
+        rows = M * max(tree.tree_size if tree is not None else 64, self.block_size, PREFILL_CHUNK)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        work = {"graph workspace": rows * (v.vocab_size + 8 * max(v.hidden_size, feat)) * elem if self.use_graphs else 0}
+        caches = allocate_caches(shapes, self.dtype, dev, self.capacity, slots=M if M > 1 else 0, extra=work)
+        zeros = torch.zeros(M, dtype=torch.long, device=dev)
+        return RoundState(
+            kv=caches["verifier cache"], draft_kv=caches.get("drafter cache"), past_len=zeros.clone(),
+            root=zeros.clone(), pending=torch.zeros(M, self.block_size, feat, dtype=self.dtype, device=dev),
+            pending_count=zeros.clone(), out=torch.zeros(M, self.block_size + 1, dtype=torch.long, device=dev),
+            active=torch.zeros(M, dtype=torch.bool, device=dev),
+            temperature=torch.zeros(M, dtype=torch.float32, device=dev),
+            top_p=torch.ones(M, dtype=torch.float32, device=dev), seed=zeros.clone(),
         )
 
-    def _reset_state(self) -> None:
-        """In place: captured graphs hold these tensors' addresses. Cache contents need no clearing:
-        nothing reads a slot at or past the committed length without first writing it."""
-        st = self.state
-        st.past_len.zero_()
-        st.root.zero_()
-        st.pending_count.zero_()
-        st.out.zero_()
+    def _first(self, cache: torch.Tensor | None, b: int) -> torch.Tensor | None:
+        """The first b slots' caches [L, 2, Hkv, b * S', D], a view."""
+        return None if cache is None else cache.narrow(3, 0, b * self.slot_size)
 
-    # ------------------------------------------------------------------ the loop's contract
+    def configure(self, tree: TreeConfig, tree_size_by_batch: dict[int, int] | None = None) -> None:
+        """The tree setting the rounds use (checked and resolved against this pair), and each bucket's
+        tree size."""
+        self.tree = checked_tree(self, tree)
+        self.tree_by_bucket = tree_sizes_by_bucket(self.buckets, self.tree, tree_size_by_batch or {})
+        self.max_tree_size = max(self.tree_by_bucket.values())  # the largest tree a round builds
+        self.path_len = 1 if self.tree.mode == "ar" else min(self.max_tree_size, self.block_size)
 
     def _own_drafter_setting(self) -> None:
         """The drafter module is the caller's and may serve several runners: it takes this runner's
@@ -179,108 +228,207 @@ class TorchRunner(Runner):
         if model is not None and (model.fused is not None) != self.fast_kernels:
             model.use_layer_kernels(self.fast_kernels)
 
+    # ------------------------------------------------------------------ one sequence: the Runner contract
+
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig) -> int:
+        """A generation in slot 0 (the one-slot case of the slots below)."""
         self._own_drafter_setting()
-        self.tree, self.sampling = tree, sampling
-        self.path_len = 1 if tree.mode == "ar" else min(tree.tree_size, self.block_size)
+        if self.tree != tree:
+            self.configure(tree)
         if self.use_graphs:
-            self._capture_for(tree, sampling)
-        self._reset_state()
-        self.generator.manual_seed(sampling.seed)
+            self._capture_for(1, sampling_kind(sampling.temperature, sampling.top_p))
+        self.admit(0, sampling)
         n = int(prompt.shape[0])
-        if self.use_graphs:
-            run = self._graphs["prefill", sampling.temperature, sampling.top_p]
-            prompt = prompt.to(self.device)  # the generation's one host-to-device copy of its tokens
-            for start in range(0, n, PREFILL_CHUNK):
-                part = prompt[start : start + PREFILL_CHUNK]
-                count = part.shape[0]
-                run(torch.nn.functional.pad(part, (0, PREFILL_CHUNK - count)), self._chunk_counts[count])
-        else:
-            self._prefill(prompt, torch.tensor(n, device=self.device), bound=0 if self.compiled else n)
-        self._host_past = n
-        return self._emitted()[0]
+        # Captured (or compiled) prefill passes have one static chunk; eagerly the whole prompt is one pass.
+        step = PREFILL_CHUNK if self.use_graphs or self.compiled else n
+        first = None
+        for start in range(0, n, step):
+            first = self.prefill(0, prompt[start : start + step], last=start + step >= n)
+        return first
 
     @torch.inference_mode()
     def round(self) -> list[int]:
-        step = self._ar_step if self.tree.mode == "ar" else self._round
+        return self.step(1)[0]
+
+    # ------------------------------------------------------------------ admission, prefill, release
+
+    @torch.inference_mode()
+    def admit(self, slot: int, sampling: SamplingConfig) -> None:
+        """Slot ``slot`` takes a new request: its length and context start at 0, its sampling is set,
+        and it stays inactive until its prefill is done."""
+        st = self.state
+        st.past_len[slot] = 0
+        st.pending_count[slot] = 0
+        st.out[slot] = 0
+        st.active[slot] = False
+        st.temperature[slot] = float(sampling.temperature)
+        st.top_p[slot] = float(sampling.top_p)
+        st.seed[slot] = int(sampling.seed)
+        self.host_len[slot] = 0
+        self.host_kind[slot] = sampling_kind(sampling.temperature, sampling.top_p)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, tokens: torch.Tensor, last: bool) -> int | None:
+        """The next chunk of slot ``slot``'s prompt (tokens [c] on the device) into its caches. On the
+        last chunk the slot turns active and its first new token is returned (else None)."""
+        return self.prefill_many([(slot, tokens, last)])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, chunks: list[tuple[int, torch.Tensor, bool]]) -> list[int | None]:
+        """Several slots' next prompt chunks (slot, tokens [c_i], last). Eagerly one pass, padded to the
+        longest; captured, passes of PREFILL_CHUNK tokens over groups of a power-of-two size (each row
+        at its own slot's range and length; padding tokens write past the chunk, where nothing reads
+        them). Returns each slot's first new token on its last chunk, else None."""
+        dev = self.device
         if self.use_graphs:
-            self._graphs[self._graph_key(self.tree, self.sampling)]()
-        else:  # eager: the reference attention may stop at a bound the host knows (compiled: one shape)
-            step(bound=0 if self.compiled else self._host_past + max(self.tree.tree_size, self.block_size))
-        gained = self._emitted()
-        self._host_past += len(gained)
+            waves: dict[int, list] = {}  # piece index -> (slot, piece, last) of every chunk that has one
+            for slot, tokens, last in chunks:
+                pieces = list(tokens.split(PREFILL_CHUNK))
+                for i, piece in enumerate(pieces):
+                    waves.setdefault(i, []).append((slot, piece, last and i == len(pieces) - 1))
+            for wave in waves.values():
+                for group in power_of_two_groups(wave):
+                    self._prefill_group(group)
+        else:
+            C = max(int(t.shape[0]) for _, t, _ in chunks)
+            bound = 0 if self.compiled else min(max(self.host_len[s] for s, _, _ in chunks) + C, self.slot_size)
+            tokens = torch.stack([torch.nn.functional.pad(t, (0, C - t.shape[0])) for _, t, _ in chunks])
+            self._prefill_pass(tokens, torch.tensor([c[0] for c in chunks], device=dev),
+                               torch.tensor([int(t.shape[0]) for _, t, _ in chunks], device=dev),
+                               torch.tensor([c[2] for c in chunks], device=dev), bound)
+        for slot, tokens, _ in chunks:
+            self.host_len[slot] += int(tokens.shape[0])
+        last = [slot for slot, _, is_last in chunks if is_last]
+        firsts = dict(zip(last, self.state.root[last].tolist())) if last else {}  # the one read-back
+        return [firsts.get(slot) if is_last else None for slot, _, is_last in chunks]
+
+    def _prefill_group(self, group: list[tuple[int, torch.Tensor, bool]]) -> None:
+        """One captured prefill pass over a power-of-two group of rows, each a piece of <= PREFILL_CHUNK."""
+        k = len(group)
+        key = ("prefill", k)
+        if key not in self._graphs:
+            self._capture_prefill(k)
+        dev = self.device
+        tokens = torch.stack([torch.nn.functional.pad(t, (0, PREFILL_CHUNK - t.shape[0])) for _, t, _ in group])
+        meta = torch.tensor([[s, int(t.shape[0]), int(last)] for s, t, last in group], device=dev)
+        self._graphs[key](tokens, meta[:, 0], meta[:, 1], meta[:, 2].bool())
+
+    def _prefill_pass(self, tokens: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
+                      bound: int = 0) -> None:
+        """tokens [k, C] (row i's first counts[i] real) of slots [k] at each slot's positions P..; a row
+        whose ``last`` is set ends its prompt: the slot's first new token goes to root, and it turns
+        active. Reads no host value (a captured pass)."""
+        st, S = self.state, self.slot_size
+        k, C = tokens.shape
+        P = st.past_len[slots]
+        ids = torch.arange(C, device=self.device)
+        causal = (ids[:, None] >= ids[None, :]).expand(k, C, C)
+        logits, feats = self.verifier.forward_cached(tokens, P[:, None] + ids, causal, st.kv, P, key_bound=bound,
+                                                     logit_rows=(counts - 1).clamp_min(0)[:, None], slot_ids=slots,
+                                                     slot_size=S)
+        if self.drafter is not None:
+            self.drafter.model.forward_cached(feats, P, counts, None, st.draft_kv, slot_ids=slots, slot_size=S)
+        now = P + counts
+        st.past_len[slots] = now
+        # NUCLEUS handles every request exactly (top_p >= 1 keeps every token); k rows only.
+        first = choose_tokens_keyed(logits, st.temperature[slots], st.top_p[slots], st.seed[slots], now[:, None],
+                                    NUCLEUS)[:, 0]
+        st.root[slots] = torch.where(last, first, st.root[slots])
+        st.active[slots] = st.active[slots] | last
+
+    @torch.inference_mode()
+    def release(self, slot: int, occupied: int) -> None:
+        """Frees ``slot`` of ``occupied`` packed slots. The last occupied slot (if another) moves into
+        it: its state rows, and of its caches only the committed part (the host knows its length), so
+        the cost follows the request, not the capacity."""
+        st, last = self.state, occupied - 1
+        if slot != last:
+            used = min(self.host_len[last] + self.block_size, self.slot_size)  # + the pending block's drafter K/V
+            for cache in (st.kv, st.draft_kv):
+                if cache is not None:
+                    cache.narrow(3, slot * self.slot_size, used).copy_(cache.narrow(3, last * self.slot_size, used))
+            for t in (st.past_len, st.root, st.pending, st.pending_count, st.out, st.active, st.temperature, st.top_p,
+                      st.seed):
+                t[slot] = t[last]
+            self.host_len[slot], self.host_kind[slot] = self.host_len[last], self.host_kind[last]
+        st.active[last] = False
+        st.past_len[last] = 0
+        st.pending_count[last] = 0
+        self.host_len[last], self.host_kind[last] = 0, GREEDY
+
+    # ------------------------------------------------------------------ the batched round
+
+    def bucket_for(self, occupied: int) -> int:
+        return next(b for b in self.buckets if b >= occupied)
+
+    @torch.inference_mode()
+    def step(self, occupied: int) -> list[list[int]]:
+        """One round over the first ``occupied`` slots (run as its bucket); returns each slot's gained
+        tokens (empty for inactive slots)."""
+        b = self.bucket_for(occupied)
+        kind = max(self.host_kind[:occupied])
+        if self.use_graphs:
+            key = self._round_key(b, kind)
+            if key not in self._graphs:
+                self._capture_round(b, kind)
+            self._graphs[key]()
+        else:  # eagerly the reference attention stops at the longest slot plus its tree (compiled: one shape)
+            bound = 0 if self.compiled else min(max(self.host_len[:b]) + max(self.max_tree_size, self.block_size),
+                                                self.slot_size)
+            self._round(b, self._bucket_tree(b), kind, bound)
+        out = self.state.out[:occupied].tolist()  # the one read-back of the round
+        gained = [row[1 : 1 + row[0]] for row in out]
+        for slot, tokens in enumerate(gained):
+            self.host_len[slot] += len(tokens)
         return gained
 
-    def _emitted(self) -> list[int]:
-        """The one read-back per call: out[0] tokens from out[1:]."""
-        out = self.state.out.tolist()
-        return out[1 : 1 + out[0]]
+    def _bucket_tree(self, b: int) -> TreeConfig:
+        return dataclasses.replace(self.tree, tree_size=self.tree_by_bucket[b])
 
-    # ------------------------------------------------------------------ device-resident steps
-
-    def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        return choose_tokens(logits, self.sampling.temperature, self.sampling.top_p, self.generator)
-
-    def _prefill(self, tokens: torch.Tensor, count: torch.Tensor, bound: int = 0) -> None:
-        """tokens [C] (the first ``count`` real, the rest padding) at positions P..; the first new token
-        goes to root and out."""
+    def _round(self, b: int, tree: TreeConfig, kind: int, bound: int = 0) -> None:
+        """draft -> expand -> build trees -> verify -> accept -> commit, for slots 0..b-1. The drafter
+        and the verifier run once over all slots; the expansion and acceptance are the one-sequence
+        functions mapped over the slots (torch.vmap: one batched call each), the tree build takes
+        the batch itself."""
         st = self.state
-        C = tokens.shape[0]
-        ids = torch.arange(C, device=self.device)
-        causal = ids[:, None] >= ids[None, :]
-        last = (count - 1).reshape(1)
-        logits, feats = self.verifier.forward_cached(tokens, st.past_len + ids, causal, st.kv, st.past_len,
-                                                     key_bound=bound, logit_rows=last)
-        if self.drafter is not None:
-            self.drafter.model.forward_cached(feats, st.past_len, count, None, st.draft_kv, key_bound=bound)
-        st.past_len += count
-        first = self.pick(logits)
-        st.root.copy_(first)
-        st.out[:1].fill_(1)  # not out[0] = 1: a Python number is copied from the host, a sync
-        st.out[1:2].copy_(first)
-
-    def _ar_step(self, bound: int = 0) -> None:
-        """Plain decoding: one token through the verifier."""
-        st = self.state
-        with self._stage("verify"):
-            one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
-            logits, _ = self.verifier.forward_cached(st.root, st.past_len.reshape(1), one, st.kv, st.past_len,
-                                                     key_bound=bound)
-            token = self.pick(logits)
-        st.past_len += 1
-        st.root.copy_(token)
-        st.out[:1].fill_(1)
-        st.out[1:2].copy_(token)
-
-    def _round(self, bound: int = 0) -> None:
-        """draft -> expand -> build tree -> verify -> accept -> commit, all on the device."""
-        st, tree_cfg = self.state, self.tree
+        kv = self._first(st.kv, b)
+        P, root = st.past_len[:b], st.root[:b]
+        if tree.mode == "ar":
+            with self._stage("verify"):
+                one = torch.ones(b, 1, 1, dtype=torch.bool, device=self.device)
+                logits, _ = self.verifier.forward_cached(root[:, None], P[:, None], one, kv, P, key_bound=bound)
+                y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + 1, kind)
+            with self._stage("accept"):
+                self._commit_plain(b, y[:, 0])
+            return
         with self._stage("draft"):
-            z = self.draft(bound)
+            z = self.draft(b, bound)
         with self._stage("expand"):
-            tables = self.tables(st.root, z, tree_cfg)
+            tables = Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, tree)), root[:, None], z))
         with self._stage("tree"):
-            tree = self.build_tree(tables, st.root, tree_cfg.tree_size)
+            trees = _fields(self.build_tree(tables, root, tree.tree_size))
+        tokens, _, depths, mask, _ = trees
         with self._stage("verify"):
-            logits, feats = self.verifier.forward_cached(tree.tokens, st.past_len + tree.depths, tree.mask, st.kv,
-                                                         st.past_len, key_bound=bound)
-            y = self.pick(logits)
+            logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, mask, kv, P, key_bound=bound)
+            y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + depths + 1, kind)
         with self._stage("accept"):
-            self.commit(tree, y, feats)
+            self._commit(b, trees, y, feats)
 
-    def draft(self, bound: int = 0) -> torch.Tensor:
-        """Stage 1: the pending context enters the drafter's cache, then the block [root, MASK x (B-1)]
-        at positions P..P+B-1 -> z [B, H] (pre-norm)."""
+    def draft(self, b: int = 1, bound: int = 0) -> torch.Tensor:
+        """Stage 1 for slots 0..b-1: each slot's pending context enters its drafter cache, then its block
+        [root, MASK x (B-1)] at positions P..P+B-1 -> z [b, B, H] (pre-norm)."""
         st, B = self.state, self.block_size
-        block = torch.full((B,), self.mask_token_id, dtype=torch.long, device=self.device)
-        block = torch.cat([st.root, block[1:]])
-        ctx = st.pending[: self.path_len]
-        return self.drafter.model.forward_cached(ctx, st.past_len - st.pending_count, st.pending_count,
-                                                 self.verifier.embed_tokens(block), st.draft_kv, key_bound=bound)
+        P, count = st.past_len[:b], st.pending_count[:b]
+        block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
+        block = torch.cat([st.root[:b, None], block[:, 1:]], dim=1)
+        return self.drafter.model.forward_cached(st.pending[:b, : self.path_len], P - count, count,
+                                                 self.verifier.embed_tokens(block), self._first(st.draft_kv, b),
+                                                 key_bound=bound)
 
     def tables(self, root: torch.Tensor, z: torch.Tensor, tree: TreeConfig) -> Tables:
-        """Stage 2: transition tables for the mode (see treeflash_export.models.expand)."""
+        """Stage 2 for one slot: root [1], z [B, H] -> transition tables for the mode (see
+        treeflash_export.models.expand)."""
         norm = self.drafter.model.norm
         logits = self.verifier.lm_head(norm(z))
         if tree.mode == "treeflash":
@@ -292,33 +440,51 @@ class TorchRunner(Runner):
             )
         return marginal_tables(logits, tree.top_k, tree.drafter_temperature, topk_kernel=self.fast_kernels)
 
-    def commit(self, tree: Tree, y: torch.Tensor, feats: torch.Tensor) -> None:
-        """Accept the deepest matching path (tau nodes) and commit it, in fixed shapes: its K/V move to
-        slots P..P+tau-1 (no RoPE fix-up: a node at depth d already sits at position P + d), its
-        features become the drafter's pending context, its drafts and the bonus go to out."""
-        st, L = self.state, self.path_len
-        path, tau, bonus = accept(tree, y, L)
-        slots = st.past_len + torch.arange(L, device=self.device)
-        # Gather first (a copy), then write: source and destination slots may overlap.
-        st.kv.index_copy_(3, slots, st.kv.index_select(3, st.past_len + path))
-        st.pending[:L].copy_(feats[path])
-        st.pending_count.copy_(tau)
-        drafts = tree.tokens[path[1:]]  # path order; only the first tau - 1 are accepted drafts
-        gained = torch.cat([drafts, bonus.reshape(1)])
-        gained = torch.where(torch.arange(L, device=self.device) == tau - 1, bonus, gained)
-        st.out[:1].copy_(tau.reshape(1))
-        st.out[1 : 1 + L].copy_(gained)
-        st.past_len += tau
-        st.root.copy_(bonus.reshape(1))
+    def _commit(self, b: int, trees: tuple, y: torch.Tensor, feats: torch.Tensor) -> None:
+        """Accept each slot's deepest matching path (tau nodes) and commit it, in fixed shapes: its K/V
+        move to slots P..P+tau-1 (no RoPE fix-up: a node at depth d already sits at position P + d),
+        its features become the drafter's pending context, its drafts and the bonus go to out. An
+        inactive slot keeps its state (its cache past its length may change: nothing reads it before
+        it is written again)."""
+        st = self.state
+        L = min(self.path_len, trees[0].shape[1])
+        path, tau, bonus = _map(b, lambda tk, pa, de, ma, va, yy: accept(Tree(tk, pa, de, ma, va), yy, L), *trees, y)
+        active = st.active[:b]
+        ids = torch.arange(L, device=self.device)
+        base = torch.arange(b, device=self.device) * self.slot_size + st.past_len[:b]  # [b] each slot's P, globally
+        dst = (base[:, None] + ids).flatten()
+        src = (base[:, None] + path).flatten()
+        st.kv.index_copy_(3, dst, st.kv.index_select(3, src))  # gather first (a copy), then write
+        tau = torch.where(active, tau, torch.zeros_like(tau))
+        st.pending[:b, :L] = torch.where(active[:, None, None], torch.gather(
+            feats, 1, path[:, :, None].expand(-1, -1, feats.shape[-1])), st.pending[:b, :L])
+        st.pending_count[:b] = torch.where(active, tau, st.pending_count[:b])
+        drafts = torch.gather(trees[0], 1, path[:, 1:])
+        gained = torch.cat([drafts, bonus[:, None]], dim=1)
+        gained = torch.where(ids[None, :] == (tau - 1)[:, None], bonus[:, None], gained)
+        st.out[:b, :1] = tau[:, None]
+        st.out[:b, 1 : 1 + L] = gained
+        st.past_len[:b] += tau
+        st.root[:b] = torch.where(active, bonus, st.root[:b])
+
+    def _commit_plain(self, b: int, token: torch.Tensor) -> None:
+        """Plain decoding's commit: the one node's K/V already sit at slot P; each active slot gains its token."""
+        st = self.state
+        active = st.active[:b]
+        gained = active.long()
+        st.out[:b, 0] = gained
+        st.out[:b, 1] = token
+        st.past_len[:b] += gained
+        st.root[:b] = torch.where(active, token, st.root[:b])
 
     # ------------------------------------------------------------------ compilation, CUDA graphs, timing
 
     def _compile_steps(self) -> None:
-        """Wraps the three step functions from outside (the model code stays eager and readable).
-        Shapes are static per tree setting, so each setting compiles once; Inductor's cache lives
-        under the project's cache folder (TREEFLASH_CACHE), so a second start reuses it."""
+        """Wraps the prefill pass and the round from outside (the model code stays eager and readable).
+        Shapes are static per setting, so each compiles once; Inductor's cache lives under the
+        project's cache folder (TREEFLASH_CACHE), so a second start reuses it."""
         _project_cache("TORCHINDUCTOR_CACHE_DIR", "inductor")
-        for name in ("_prefill", "_round", "_ar_step"):
+        for name in ("_prefill_pass", "_round"):
             setattr(self, name, torch.compile(getattr(self, name), dynamic=False))
 
     @contextlib.contextmanager
@@ -342,21 +508,22 @@ class TorchRunner(Runner):
         sync()
         self.timer[name] = self.timer.get(name, 0.0) + time.perf_counter() - t0
 
-    def graph_stage_times(self, count: int) -> dict[str, float]:
-        """Milliseconds per stage of the current setting's round as it runs in a CUDA graph: a
-        separate capture with timing events between the stages, replayed ``count`` times from the
-        current state (restored before each replay, so the committed length stays where it is)."""
+    def graph_stage_times(self, count: int, b: int = 1) -> dict[str, float]:
+        """Milliseconds per stage of the current setting's round over b slots as it runs in a CUDA
+        graph: a separate capture with timing events between the stages, replayed ``count`` times
+        from the current state (restored before each replay, so the committed lengths stay put)."""
         st = self.state
-        saved = [t.clone() for t in (st.past_len, st.root, st.pending, st.pending_count)]
+        fields = (st.past_len, st.root, st.pending, st.pending_count, st.out)
+        saved = [t.clone() for t in fields]
 
         def restore():
-            for dst, src in zip((st.past_len, st.root, st.pending, st.pending_count), saved):
+            for dst, src in zip(fields, saved):
                 dst.copy_(src)
 
         self._marks = []
         try:
-            step = self._ar_step if self.tree.mode == "ar" else self._round
-            graph = self._capture(step, (), restore)
+            kind = max(self.host_kind[:b])
+            graph = self._capture(lambda: self._round(b, self._bucket_tree(b), kind), (), restore)
             totals = dict.fromkeys((name for name, _, _ in self._marks), 0.0)
             for _ in range(count):
                 restore()
@@ -374,46 +541,80 @@ class TorchRunner(Runner):
         stand-in here, so that the functions and arguments CUDA captures run, and are checked, on CPU.)"""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        return _Captured(fn, args, self._pool, self.generator, reset)
+        return _Captured(fn, args, self._pool, reset)
 
-    @staticmethod
-    def _graph_key(tree: TreeConfig, sampling: SamplingConfig) -> tuple:
-        return (tree, sampling.temperature, sampling.top_p)
+    def _round_key(self, b: int, kind: int) -> tuple:
+        """A round graph's key: bucket, tree setting (with the bucket's size) and sampling kind, never
+        sampling values (those are device data)."""
+        return ("round", b, self._bucket_tree(b), kind)
 
-    def _capture_for(self, tree: TreeConfig, sampling: SamplingConfig) -> None:
-        """Captures, once per runner, the prefill pass and the step for this tree and sampling setting.
-        Warm-up and capture run real steps on scratch state, which begin() then resets."""
-        key = self._graph_key(tree, sampling)
-        todo = [k for k in (("prefill", *key[1:]), key) if k not in self._graphs]
-        if not todo:
-            return
+    @contextlib.contextmanager
+    def _scratch(self):
+        """Warm-up and capture run real passes with every slot inactive and no length moved for good:
+        the state they touch is put back after (an inactive round only writes cache slots past each
+        slot's length and the output rows)."""
+        st = self.state
+        fields = (st.active, st.past_len, st.root, st.pending_count)
+        saved = [t.clone() for t in fields]
+        try:
+            st.active.zero_()
+            yield lambda: (st.active.zero_(), st.past_len.copy_(saved[1]))
+        finally:
+            for dst, src in zip(fields, saved):
+                dst.copy_(src)
+
+    def _capture_round(self, b: int, kind: int) -> None:
+        t0 = time.perf_counter()
+        tree = self._bucket_tree(b)
+        with self._scratch() as reset:
+            self._graphs[self._round_key(b, kind)] = self._capture(lambda: self._round(b, tree, kind), (), reset)
+        self.log(f"captured a CUDA graph ({_describe(tree)}, {b} slot{'s' if b > 1 else ''}, "
+                 f"{('greedy', 'sampling', 'sampling with top-p')[kind]}) in {time.perf_counter() - t0:.1f}s")
+
+    def _capture_prefill(self, k: int) -> None:
+        """The prefill pass over k rows of PREFILL_CHUNK tokens; warm-up and capture run it on slots
+        0..k-1 with nothing to keep (counts 0: lengths and roots stay; K/V land past each length)."""
         t0 = time.perf_counter()
         dev = self.device
+        args = (torch.zeros(k, PREFILL_CHUNK, dtype=torch.long, device=dev), torch.arange(k, device=dev),
+                torch.zeros(k, dtype=torch.long, device=dev), torch.zeros(k, dtype=torch.bool, device=dev))
+        with self._scratch() as reset:
+            self._graphs["prefill", k] = self._capture(self._prefill_pass, args, reset)
+        self.log(f"captured a CUDA graph (prefill, {k} row{'s' if k > 1 else ''}) in {time.perf_counter() - t0:.1f}s")
 
-        def scratch_round():
-            self._reset_state()
-            self.state.past_len.fill_(1)  # a round needs a root and a committed position
+    def _capture_for(self, b: int, kind: int) -> None:
+        """What a one-sequence generation needs (captured on its first begin): prefill and the round."""
+        if ("prefill", 1) not in self._graphs:
+            self._capture_prefill(1)
+        if self._round_key(b, kind) not in self._graphs:
+            self._capture_round(b, kind)
 
-        for k in todo:
-            if k[0] == "prefill":
-                args = (torch.zeros(PREFILL_CHUNK, dtype=torch.long, device=dev),
-                        torch.tensor(PREFILL_CHUNK, device=dev))
-                self._graphs[k] = self._capture(self._prefill, args, self._reset_state)
-            else:
-                step = self._ar_step if tree.mode == "ar" else self._round
-                self._graphs[k] = self._capture(step, (), scratch_round)
-        what = "plain decoding" if tree.mode == "ar" else f"{tree.mode} N={tree.tree_size}"
-        self.log(f"captured CUDA graphs ({', '.join('prefill' if k[0] == 'prefill' else what for k in todo)}) "
-                 f"in {time.perf_counter() - t0:.1f}s")
+    def capture_all(self) -> None:
+        """Every graph serving can need, at start-up (no stall mid-stream): the round of each bucket in
+        each sampling kind, and prefill passes over each power-of-two group of rows."""
+        todo = [("prefill", k) for k in bucket_sizes(self.max_batch) if k & (k - 1) == 0]
+        todo += [("round", b, kind) for b in self.buckets for kind in KINDS]
+        t0 = time.perf_counter()
+        for i, key in enumerate(todo, 1):
+            self.log(f"capturing CUDA graphs {i}/{len(todo)}")
+            if key[0] == "prefill":
+                if key not in self._graphs:
+                    self._capture_prefill(key[1])
+            elif self._round_key(key[1], key[2]) not in self._graphs:
+                self._capture_round(key[1], key[2])
+        self.log(f"captured {len(todo)} CUDA graphs in {time.perf_counter() - t0:.1f}s")
+
+
+def _describe(tree: TreeConfig) -> str:
+    return "plain decoding" if tree.mode == "ar" else f"{tree.mode} N={tree.tree_size}"
 
 
 class _Captured:
     """fn(*args) captured once in a CUDA graph with static copies of its tensor arguments;
     calling copies the new arguments in and replays. fn's effects are its writes to state."""
 
-    def __init__(self, fn, args, pool, generator: torch.Generator, reset, warmup: int = 2):
-        """reset() puts the scratch state back before each warm-up run and before the capture, so
-        the passes never move the committed length past the cache (a prefill pass adds a chunk)."""
+    def __init__(self, fn, args, pool, reset, warmup: int = 2):
+        """reset() puts the scratch state back before each warm-up run and before the capture."""
         self.args = [a.clone() for a in args]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -424,11 +625,24 @@ class _Captured:
         torch.cuda.current_stream().wait_stream(stream)
         reset()
         self.graph = torch.cuda.CUDAGraph()
-        self.graph.register_generator_state(generator)  # sampling draws advance on every replay
         with torch.cuda.graph(self.graph, pool=pool):
             fn(*self.args)
+        reset()
 
     def __call__(self, *args) -> None:
         for dst, src in zip(self.args, args):
             dst.copy_(src)
         self.graph.replay()
+
+
+def _map(b: int, fn, *args) -> tuple:
+    """fn over the slots (dim 0 of every argument): torch.vmap, or a plain call for one slot (vmap's
+    per-operator cost is all overhead there)."""
+    if b > 1:
+        return torch.vmap(fn)(*args)
+    return tuple(out[None] for out in fn(*(a[0] for a in args)))
+
+
+def _fields(x) -> tuple:
+    """A Tables or Tree as the tuple of its tensors (what torch.vmap maps)."""
+    return tuple(getattr(x, f.name) for f in dataclasses.fields(x))

@@ -97,3 +97,50 @@ def format_batching_report(report: dict) -> str:
                  f"tree size by slot bucket {report['tree_by_bucket']}, on {report['device']}; outputs identical to "
                  f"concurrency {report['rows'][0]['concurrency']}: {report['identical_outputs']}")
     return "\n".join(lines)
+
+
+def run_slot_cost_bench(make_runner, capacities: list[int], prompt: list[int], repeat: int = 5) -> dict:
+    """`treeflash-bench --slot-costs 2048,16384`: what admitting, prefilling and releasing a short request
+    costs at each cache capacity per slot (a runner of two slots per capacity, from ``make_runner``):
+    slot 0 holds a request, slot 1 takes the prompt, then slot 0 leaves (slot 1 moves into it). Both
+    costs must follow the request, not the capacity; medians of ``repeat`` runs, milliseconds."""
+    import torch
+
+    from treeflash_export.config import SamplingConfig as Sampling
+
+    rows = []
+    for capacity in capacities:
+        runner = make_runner(capacity)
+        ids = torch.tensor(prompt, dtype=torch.long, device=runner.device)
+        prefill, release = [], []
+        for i in range(repeat + 1):  # the first run warms up
+            runner.admit(0, Sampling())
+            runner.prefill(0, ids, last=True)
+            t0 = time.perf_counter()
+            runner.admit(1, Sampling())
+            runner.prefill(1, ids, last=True)
+            t1 = time.perf_counter()
+            runner.release(0, 2)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            t2 = time.perf_counter()
+            runner.release(0, 1)
+            if i:
+                prefill.append(t1 - t0)
+                release.append(t2 - t1)
+        rows.append({"capacity": capacity, "prefill_ms": 1e3 * float(np.median(prefill)),
+                     "release_ms": 1e3 * float(np.median(release)), "prompt_tokens": len(prompt)})
+        del runner
+    for row in rows:
+        row["prefill_ratio"] = row["prefill_ms"] / rows[0]["prefill_ms"]
+        row["release_ratio"] = row["release_ms"] / rows[0]["release_ms"]
+    return {"rows": rows, "repeat": repeat}
+
+
+def format_slot_cost_report(report: dict) -> str:
+    head = f"{'capacity':>9} {'prompt':>6} {'prefill ms':>10} {'x first':>7} {'release ms':>10} {'x first':>7}"
+    lines = [head, "-" * len(head)]
+    lines += [f"{r['capacity']:>9} {r['prompt_tokens']:>6} {r['prefill_ms']:>10.2f} {r['prefill_ratio']:>6.2f}x "
+              f"{r['release_ms']:>10.3f} {r['release_ratio']:>6.2f}x" for r in report["rows"]]
+    lines.append(f"a short request's prefill and release per cache capacity per slot (median of {report['repeat']})")
+    return "\n".join(lines)

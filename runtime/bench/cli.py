@@ -118,13 +118,16 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--batch-sizes", default="", metavar="B,...",
               help="With --random-weights: also time the request-slot runner's rounds (in-flight batching) at "
                    "these batch sizes for every tree setting, e.g. 1,4,8,16 (round time against slots x N).")
+@click.option("--slot-costs", default=None, metavar="S,...",
+              help="Instead: a short request's prefill and release at each of these cache capacities per slot "
+                   "(e.g. 2048,16384), two request slots each, torch backend: they must not grow with the capacity.")
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (inside the CUDA graph where graphs "
                    "are on, else eagerly and synchronised; not with --compile).")
 def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
          concurrency, openai_url, api_key, requests, server_model, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
-         cuda_graphs, compile_steps, fast_kernels, batch_sizes, stages):
+         cuda_graphs, compile_steps, fast_kernels, batch_sizes, slot_costs, stages):
     """Benchmark tree speculative decoding against plain decoding (and backends against each other).
 
     Without --artifacts and --model, it benchmarks the default pair (SmolLM2-135M-Instruct and the
@@ -136,6 +139,10 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
                      device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json, batch_sizes)
         return
     tree_sizes = tree_sizes or str(TreeConfig.tree_size)
+    if slot_costs is not None:
+        _slot_cost_main(model, drafter, list(prompts) or list(DEFAULT_PROMPTS), _split(slot_costs), device,
+                        cuda_graphs, as_json)
+        return
     if openai_url is not None:
         _openai_main(openai_url, api_key, list(prompts) or list(DEFAULT_PROMPTS), max_new_tokens,
                      [int(c) for c in _split(concurrency or "1,8")], requests, ignore_eos, as_json)
@@ -215,6 +222,33 @@ def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, p
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     click.echo(json.dumps(report) if as_json else format_batching_report(report))
+
+
+def _slot_cost_main(model, drafter, prompts, capacities, device, cuda_graphs, as_json):
+    from ..factory import session_from_checkpoints
+    from .batching import format_slot_cost_report, run_slot_cost_bench
+
+    log = lambda m: click.echo(m, err=True)  # noqa: E731
+    tree = TreeConfig(tree_size=16, top_m=4, top_k=8)
+    tokenizer = []
+
+    def make_runner(capacity):
+        sess = session_from_checkpoints(model, drafter, tree, capacity, "torch", device, cuda_graphs=cuda_graphs,
+                                        log=log, max_batch=2)
+        tokenizer[:] = [sess.tokenizer]
+        return sess.runner
+
+    try:
+        sizes = [int(c) for c in capacities]
+        if not sizes or min(sizes) < 64:
+            raise TreeFlashError("--slot-costs takes cache capacities >= 64, e.g. 2048,16384")
+        first = make_runner(sizes[0])
+        ids = tokenizer[0](prompts[0])["input_ids"]
+        report = run_slot_cost_bench(lambda c: first if c == sizes[0] else make_runner(c), sizes, ids)
+    except (TreeFlashError, ValueError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else format_slot_cost_report(report))
 
 
 def _serving_main(artifacts, server, prompts, max_new_tokens, concurrency, requests, as_json, model="treeflash"):

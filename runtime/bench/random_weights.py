@@ -221,23 +221,23 @@ def _time_batches(verifier, drafter, configs, batch_sizes, prompt, rounds, warmu
                   fast_kernels, log) -> list[dict]:
     """Round time of the request-slot runner (in-flight batching) at each batch size and tree setting:
     b slots all running the same prompt, rounds timed after warm-up; against its own batch of one."""
-    from ..backends.slots import SlotRunner
+    from ..backends.torch_backend import TorchRunner
 
     out = []
     for tree in configs:
         base = None
         for b in batch_sizes:
-            runner = SlotRunner(verifier, drafter, max_batch=b, capacity=capacity, tree=tree, cuda_graphs=cuda_graphs,
+            runner = TorchRunner(verifier, drafter, max_batch=b, capacity=capacity, tree=tree, cuda_graphs=cuda_graphs, capture_at_start=False,
                                 fast_kernels=fast_kernels, log=log)
             for slot in range(b):
                 runner.admit(slot, SamplingConfig())
                 runner.prefill(slot, prompt, last=True)
-            for _ in range(warmup + 1):  # the first also captures the bucket's graph
-                runner.step(b, False)
+            for _ in range(warmup + 1):  # the first also captures the bucket's round
+                runner.step(b)
             _sync(runner.device)
             t0 = time.perf_counter()
             for _ in range(rounds):
-                runner.step(b, False)
+                runner.step(b)
             _sync(runner.device)
             ms = 1e3 * (time.perf_counter() - t0) / rounds
             base = base or ms

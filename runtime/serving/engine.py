@@ -22,7 +22,7 @@ from .scheduler import CANCELLED, FAILED, FINISHED, RUNNING, Request, Scheduler
 
 class Engine:
     def __init__(self, runner, prefill_chunk: int = 256, max_active: int | None = None):
-        """runner: a backends.slots.SlotRunner; max_active: requests served at once (default and at
+        """runner: a backends.torch_backend.TorchRunner with its deployment tree; max_active: requests served at once (default and at
         most its max_batch, the number of slots)."""
         self.runner = runner
         self.scheduler = Scheduler(min(max_active or runner.max_batch, runner.max_batch), prefill_chunk)
@@ -90,11 +90,7 @@ class Engine:
                     self._emit(request, [first])
         running = [r for r in sched.running() if not r.stop_reason]  # a first token may already end one
         if running:
-            sampling = any(r.sampling.temperature > 0 for r in running)
-            # Eagerly the attention may stop at the longest slot: committed length <= prompt + tokens so far,
-            # plus the tree (prefilling slots in the bucket are inactive: what they read does not matter).
-            longest = max(len(r.prompt_ids) + len(r.tokens) for r in running)
-            gained = runner.step(sched.occupied, sampling, longest + max(runner.max_tree_size, runner.block_size))
+            gained = runner.step(sched.occupied)
             self.rounds_by_batch[len(running)] = self.rounds_by_batch.get(len(running), 0) + 1
             for request in running:
                 request.accept_lengths.append(len(gained[request.slot]))

@@ -5,7 +5,7 @@ failed). Between rounds the scheduler admits waiting requests into free slots (s
 packed: the occupied ones are 0..occupied-1) and retires finished ones at once; a long prompt
 is prefilled in chunks between the running slots' rounds (at most ``prefill_chunk`` prompt tokens
 a step while others run), so running streams are never stalled by a newcomer's whole prompt.
-The runner (backends.slots.SlotRunner) owns the device state; the engine (serving.engine)
+The runner (backends.torch_backend.TorchRunner) owns the device state; the engine (serving.engine)
 connects the two.
 """
 

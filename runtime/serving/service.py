@@ -199,7 +199,7 @@ class Service:
 
 
 class BatchedService(Service):
-    """A session whose runner has request slots (backends.slots.SlotRunner): requests are handed to
+    """A session whose runner has request slots (backends.torch_backend.TorchRunner): requests are handed to
     the in-flight batching engine, which serves them in a background thread; each streams through
     its own ``send`` (the Triton model's response sender)."""
 

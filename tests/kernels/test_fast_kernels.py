@@ -105,8 +105,8 @@ def test_qk_norm_rope_reference_is_the_module_composition():
 @needs_triton
 @pytest.mark.parametrize("n,I", [(1, 48), (4, 1500), (3, 17)])
 def test_silu_mul_kernel_matches_reference(n, I):
-    gu = randn(n, 2 * I, seed=4) * 4
-    assert (lo.silu_mul_triton(gu) - lo.silu_mul_reference(gu)).abs().max() < 1e-5
+    gu = randn(n, 2 * I, seed=4) * 4  # products up to about 100: a relative tolerance (a GPU's exp differs in its last bits)
+    torch.testing.assert_close(lo.silu_mul_triton(gu), lo.silu_mul_reference(gu), rtol=1e-5, atol=1e-6)
 
 
 def test_custom_ops_fake_and_cpu_paths():

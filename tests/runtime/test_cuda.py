@@ -15,6 +15,7 @@ from treeflash_export.checkpoints import load_pair
 from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_runtime import generate
 from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.sampling import GREEDY
 
 pytestmark = [
     pytest.mark.cuda,
@@ -57,11 +58,14 @@ def test_cuda_fp32_greedy_equals_verifier(pair_dirs, name, mode, fast_kernels):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_bf16_agrees_with_verifier_bf16(pair_dirs, mode):
-    """bf16 kernels round differently for a tree batch than for one token, so near-ties may flip;
-    we require agreement over the first 32 tokens and report the full agreement length."""
+def test_cuda_bf16_departs_from_verifier_bf16_only_at_near_ties(pair_dirs, mode):
+    """bf16 kernels round differently for a tree batch than for one token, so on a random model (whose
+    logits are close together) a near-tie may flip: where the output first departs from transformers'
+    bf16 greedy output, the two tokens' float32 logits after that prefix must be within 2% of the
+    logits' range (a rounding difference, not a wrong token). The agreement length is reported."""
     d = pair_dirs["qwen3"]
     pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.bfloat16)
+    exact = load_pair(str(d / "verifier"), None, device="cuda", dtype=torch.float32).verifier
     for prompt in PROMPTS:
         ids = pair.tokenizer(prompt)["input_ids"]
         ref = _greedy(pair.verifier, ids, 64)
@@ -69,7 +73,11 @@ def test_cuda_bf16_agrees_with_verifier_bf16(pair_dirs, mode):
         out = generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=64)).token_ids
         agree = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), len(ref))
         print(f"bf16 {mode}: {agree}/64 tokens agree")
-        assert agree >= 32
+        if agree < len(ref):
+            with torch.no_grad():
+                logits = exact(torch.tensor([ids + out[:agree]], device="cuda")).logits[0, -1].float()
+            gap = (logits[out[agree]] - logits[ref[agree]]).abs().item()
+            assert gap <= 0.02 * (logits.max() - logits.min()).item(), (mode, agree, gap)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -85,8 +93,7 @@ def test_cuda_graph_replay_never_synchronises_and_equals_eager(pair_dirs, mode):
         runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, cuda_graphs=graphs)
         outs.append(generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=48)).token_ids)
         if graphs:
-            tree = TreeConfig(mode=mode, **SETTINGS).resolved(runner.block_size)
-            graph = runner._graphs[runner._graph_key(tree, SamplingConfig())]
+            graph = runner._graphs[runner._round_key(1, GREEDY)]
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:

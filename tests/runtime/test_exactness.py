@@ -87,7 +87,7 @@ def test_oracle_tree_has_deep_branches_off_the_true_path(load):
     runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + [1] * 64, seed=0)
     cfg = TreeConfig(**SETTINGS)
     runner.begin(torch.tensor(ids), cfg, SamplingConfig())
-    tables = runner.tables(runner.state.root, runner.draft(), cfg)
+    tables = runner.tables(runner.state.root[:1], runner.draft()[0], cfg)
     tree = build_tree(tables, runner.state.root, cfg.tree_size)
     depths = tree.depths[tree.valid]
     assert int(depths.max()) >= 4

@@ -295,11 +295,11 @@ def test_seed_reproduces_output(small_vocab_pair, small_vocab_artifacts, backend
 def test_batched_slots_sampling_matches_verifier_distribution(small_vocab_pair, mode, top_p):
     """In-flight batching with keyed sampling: SAMPLES requests (seeds 0..SAMPLES-1) served eight at a
     time through the engine; the joint distribution of their first NEW tokens is the verifier's own."""
-    from treeflash_runtime.backends.slots import SlotRunner
+    from treeflash_runtime.backends.torch_backend import TorchRunner
     from treeflash_runtime.serving.engine import Engine, Request
 
     verifier, drafter = small_vocab_pair
-    runner = SlotRunner(verifier, drafter, max_batch=8, capacity=32, tree=TreeConfig(mode=mode, **TREE))
+    runner = TorchRunner(verifier, drafter, max_batch=8, capacity=32, tree=TreeConfig(mode=mode, **TREE))
     requests = [Request(list(PROMPT), SamplingConfig(temperature=1.0, top_p=top_p, max_new_tokens=NEW, seed=seed))
                 for seed in range(SAMPLES)]
     engine = Engine(runner)

@@ -4,10 +4,13 @@ slot run alone. fp32 on CPU; with and without the layer kernels (their reference
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from treeflash_export.models import TreeVerifier
+from treeflash_runtime.sampling import GREEDY, NUCLEUS, SAMPLE
 
 LENGTHS = [5, 0, 17]  # committed tokens per slot: a short one, an empty one, a longer one
 S = 40  # cache slots per slot
@@ -98,11 +101,11 @@ BUDGETS = [12, 5, 9, 16, 7]  # requests finish at different rounds: slots free u
 
 
 def engine_for(pair, mode, max_batch=3, capacity=96, tree_size=12, **kw):
-    from treeflash_runtime.backends.slots import SlotRunner
+    from treeflash_runtime.backends.torch_backend import TorchRunner
     from treeflash_runtime.serving.engine import Engine
 
     tree = TreeConfig(mode=mode, tree_size=tree_size, top_m=3, top_k=3)
-    runner = SlotRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree, **kw)
+    runner = TorchRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree, **kw)
     return Engine(runner, prefill_chunk=4)  # prompts go in several chunks, between other slots' rounds
 
 
@@ -293,32 +296,42 @@ def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load
     engine = engine_for(pair, mode)
     runner = engine.runner
     runner.use_graphs = True
-    captured = []
+    captured, lines = [], []
     runner._capture = lambda fn, args, reset: captured.append(fn) or EagerReplay(fn, args)
+    runner.log = lines.append
+    runner.capture_all()  # what a CUDA runner with a deployment tree does at start-up
+    tree = runner.tree
+    assert set(runner._graphs) == {("prefill", 1), ("prefill", 2)} | {
+        ("round", b, dataclasses.replace(tree, tree_size=runner.tree_by_bucket[b]), kind)
+        for b in (1, 2, 3) for kind in (GREEDY, SAMPLE, NUCLEUS)}
+    assert lines[0] == "capturing CUDA graphs 1/11" and lines[-1].startswith("captured 11 CUDA graphs in")
+    at_start = len(captured)
     prompts = prompts_of(pair)
     requests = [Request(ids, SamplingConfig(max_new_tokens=n, stop_token_ids=())) for ids, n in zip(prompts, BUDGETS)]
     engine.run(requests)
     for r, ids, n in zip(requests, prompts, BUDGETS):
         assert r.tokens == hf_greedy(pair.verifier, ids, n), (mode, ids)
-    assert {k[:2] for k in runner._graphs} >= {("slots", 1), ("slots", 2)} and len(captured) == len(runner._graphs)
+    assert len(captured) == at_start == len(runner._graphs)  # serving captured nothing more
     st = runner.state
     known = [t for t in vars(st).values() if isinstance(t, torch.Tensor)]
     for module in (runner.verifier, runner.drafter):
         for m in module.modules():
             known += [t for t in torch.utils._pytree.tree_leaves(vars(m)) if isinstance(t, torch.Tensor)]
-    with torch.inference_mode(), HostTensorSpy(known) as spy:
-        runner._round_slots(3, runner.tree_by_bucket[3], True)
+    args = (torch.zeros(2, 8, dtype=torch.long), torch.arange(2), torch.tensor([3, 8]), torch.tensor([False, True]))
+    with torch.inference_mode(), HostTensorSpy(known + list(args)) as spy:  # args: a replay's static inputs
+        runner._round(3, runner._bucket_tree(3), NUCLEUS)
+        runner._prefill_pass(*args)
     assert spy.host_made == []
 
 
 def test_slot_caches_that_do_not_fit_are_one_line_naming_max_batch(load):
     from treeflash_export.errors import ConfigError
-    from treeflash_runtime.backends.slots import SlotRunner
+    from treeflash_runtime.backends.torch_backend import TorchRunner
 
     pair = load("qwen3")
     with pytest.raises(ConfigError, match=r"caches for --max-seq-len 100000000 x --max-batch 64 need [\d.]+ GiB .* "
                                           r"is free on cpu: lower --max-seq-len or --max-batch"):
-        SlotRunner(pair.verifier, pair.drafter, max_batch=64, capacity=10**8, tree=TreeConfig(tree_size=8))
+        TorchRunner(pair.verifier, pair.drafter, max_batch=64, capacity=10**8, tree=TreeConfig(tree_size=8))
 
 
 def test_random_weights_bench_times_rounds_by_batch_size():
