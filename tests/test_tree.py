@@ -130,3 +130,39 @@ def test_a_batch_of_tables_builds_each_slots_own_tree():
         one = build_tree(Tables(tokens[j], logprobs[j], next_row[j]), roots[j], N)
         for field in ("tokens", "parents", "depths", "mask", "valid"):
             assert torch.equal(getattr(batch, field)[j], getattr(one, field)), (j, field)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_node_paths_give_each_nodes_path_score_and_ranks(seed):
+    """node_paths against a walk in plain Python down each node's path: its score (the log-probabilities
+    summed), the largest parent row and child rank on it; batched trees give each tree's own."""
+    from treeflash_export.tree import node_paths
+
+    g = torch.Generator().manual_seed(seed)
+    D, M, K, N = 4, 3, 4, 12
+    tables = []
+    for _ in range(2):
+        lp = (-torch.rand(D, M, K, generator=g) * 3).sort(-1, descending=True).values
+        nxt = torch.randint(-1, M, (D, M, K), generator=g)
+        nxt[-1] = -1
+        tok = torch.stack([torch.stack([torch.randperm(50, generator=g)[:K] for _ in range(M)]) for _ in range(D)])
+        tables.append(Tables(tok, lp, nxt))
+    batch = Tables(*(torch.stack([getattr(t, f) for t in tables]) for f in ("tokens", "logprobs", "next_row")))
+    trees = build_tree(batch, torch.tensor([7, 8]), N)
+    got = node_paths(batch, trees)
+    for i, t in enumerate(tables):
+        tree = build_tree(t, torch.tensor([7 + i]), N)
+        assert all(torch.equal(a, b[i]) for a, b in zip(node_paths(t, tree), got))  # batched = one at a time
+        tok, lp, nxt = t.tokens.tolist(), t.logprobs.tolist(), t.next_row.tolist()
+        walk = {0: (0, 0, 0.0, 0, 0)}  # node -> (row, rank, score, largest row, largest rank)
+        for a in range(1, N):
+            if not tree.valid[a]:
+                assert got[0][i, a] == float("-inf")
+                continue
+            row_p, rank_p, score_p, m_p, k_p = walk[int(tree.parents[a])]
+            d = int(tree.depths[a])
+            row = 0 if d == 1 else nxt[d - 2][row_p][rank_p]
+            rank = tok[d - 1][row].index(int(tree.tokens[a]))
+            walk[a] = (row, rank, score_p + lp[d - 1][row][rank], max(m_p, row), max(k_p, rank))
+            assert abs(float(got[0][i, a]) - walk[a][2]) < 1e-5
+            assert (int(got[1][i, a]), int(got[2][i, a])) == walk[a][3:], (seed, i, a)

@@ -236,3 +236,44 @@ def tree_paths(tree: Tree) -> list[tuple[int, ...]]:
     for a in range(1, len(tokens)):
         paths.append(paths[parents[a]] + (tokens[a],))
     return [paths[a] for a in range(1, len(tokens)) if valid[a]]
+
+
+def node_paths(tables: Tables, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each node of a tree built from ``tables`` came from, in fixed shapes (no host value):
+
+    scores [N] float32  the node's path score (sum of the tables' log-probabilities along its path;
+                        0 for the root, -inf for padding nodes)
+    m_rank [N] int64    the largest parent row (the parent's rank among its position's candidates)
+                        on the path: the node is in the tree of a smaller top-M iff m_rank < M
+    k_rank [N] int64    the largest child rank on the path: in the tree of a smaller top-K iff k_rank < K
+    Batched like build_tree (tables [b, D, M, K], tree fields [b, N] -> [b, N] each). Siblings hold
+    distinct tokens, so a node's rank is where its token sits in its row. The self-tuning tree
+    predicts smaller trees from these (best-first trees are prefix-closed)."""
+    if tables.tokens.dim() == 3:
+        one = Tables(*(t[None] for t in (tables.tokens, tables.logprobs, tables.next_row)))
+        return tuple(x[0] for x in node_paths(one, Tree(*(getattr(tree, f.name)[None]
+                                                            for f in dataclasses.fields(Tree)))))
+    tok, lp, nxt = tables.tokens, tables.logprobs.float(), tables.next_row
+    b, D, M, K = tok.shape
+    N = tree.tokens.shape[1]
+    dev = tok.device
+    parent = tree.parents.clamp(min=0)
+    row = torch.zeros(b, N, dtype=torch.long, device=dev)
+    rank, m_rank, k_rank = row.clone(), row.clone(), row.clone()
+    score = torch.zeros(b, N, dtype=torch.float32, device=dev)
+    ks = torch.arange(K, device=dev)
+    for d in range(1, D + 1):  # parents precede children, one depth at a time
+        here = (tree.depths == d) & tree.valid & (torch.arange(N, device=dev) > 0)
+        p_row, p_rank = row.gather(1, parent), rank.gather(1, parent)
+        r = (nxt[:, d - 2].reshape(b, M * K).gather(1, p_row * K + p_rank).clamp(min=0) if d > 1
+             else torch.zeros_like(row))
+        cells = r[:, :, None] * K + ks  # [b, N, K]: the node's row in the tables of depth d
+        k = (tok[:, d - 1].reshape(b, M * K).gather(1, cells.flatten(1)).view(b, N, K)
+             == tree.tokens[:, :, None]).long().argmax(-1)
+        s = score.gather(1, parent) + lp[:, d - 1].reshape(b, M * K).gather(1, r * K + k)
+        row, rank = torch.where(here, r, row), torch.where(here, k, rank)
+        score = torch.where(here, s, score)
+        m_rank = torch.where(here, torch.maximum(m_rank.gather(1, parent), r), m_rank)
+        k_rank = torch.where(here, torch.maximum(k_rank.gather(1, parent), k), k_rank)
+    score = torch.where(tree.valid, score, torch.full_like(score, -math.inf))
+    return score, m_rank, k_rank
