@@ -65,7 +65,7 @@ class _Streamer:
 @click.option("--tree-size-by-batch", default="", metavar="B:N,...",
               help="--prompts-file: a smaller tree when more requests share a round, e.g. 1:64,4:32,8:16 (the "
                    "largest batch size not above the round's slot bucket applies).")
-def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
+def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k, retune,
          drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
          backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol,
          prompts_file, max_batch, tree_size_by_batch):
@@ -81,7 +81,7 @@ def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         sys.exit(2)
 
 
-def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k,
+def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k, retune,
          drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
          backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol,
          prompts_file, max_batch, tree_size_by_batch):
@@ -128,7 +128,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
     sess = load_session(model=model, drafter=drafter, artifacts=artifacts, verify_checksums=verify_checksums,
                         **requested, max_seq_len=max_seq_len, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                         fast_kernels=fast_kernels, backend=backend, compile_steps=compile_steps,
-                        log=lambda m: click.echo(m, err=True), **batch)
+                        log=lambda m: click.echo(m, err=True), retune=retune, **batch)
     load_s = time.perf_counter() - t_load  # checkpoints read, caches allocated
     tree, runner, tok = sess.tree, sess.runner, sess.tokenizer
     if chat and not getattr(tok, "chat_template", None):
@@ -143,7 +143,7 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
     ids = _encode(tok, prompt, chat)
     sampling = dataclasses.replace(defaults, stop_token_ids=stops)
     streamer = None if as_json else _Streamer(tok, sys.stdout)
-    result = generate(runner, ids, tree, sampling, on_tokens=streamer)
+    result = generate(runner, ids, tree, sampling, on_tokens=streamer, tuner=sess.tuner)
     text = tok.decode(result.token_ids, skip_special_tokens=True)
     s = result.stats
     if as_json:
@@ -159,12 +159,18 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
             "temperature": temperature, "top_p": top_p, "seed": seed, "device": str(runner.device), "dtype": sess.dtype,
             "artifacts": artifacts,
         }
+        if s.tuning is not None:  # the settings the self-tuning tree ran, its latest choice and the costs
+            payload.update(tree_size=None, top_m=None, top_k=None, tuning=s.tuning)
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
         sys.stdout.write(streamer.text.flush() + "\n")  # the held-back end, if generation stopped mid-character
+        used = ""
+        if s.tuning is not None:
+            top = sorted(s.tuning["settings_used"].items(), key=lambda kv: -kv[1])[:3]
+            used = "; rounds by setting: " + ", ".join(f"{k} {v}" for k, v in top)
         click.echo(
             f"[{s.mode}/{s.backend}] {s.new_tokens} tokens in {s.rounds} rounds, "
-            f"{s.mean_accepted:.2f} tokens/round, {s.tokens_per_s:.1f} tok/s ({result.stop_reason})",
+            f"{s.mean_accepted:.2f} tokens/round, {s.tokens_per_s:.1f} tok/s ({result.stop_reason}){used}",
             err=True,
         )
 

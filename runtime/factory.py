@@ -24,6 +24,8 @@ class Session:
     stop_token_ids: tuple[int, ...]
     dtype: str
     load_stages_s: dict[str, float] = field(default_factory=dict)  # seconds per loading step, where known
+    sources: tuple[str, ...] = ()  # the checkpoint folders the pair was read from (what tuned costs depend on)
+    tuner: Any = None  # the self-tuning tree (treeflash_runtime.tuner.online.TreeTuner) when settings are auto
 
 
 def default_pair(log=None) -> tuple[str, str]:
@@ -74,7 +76,8 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
                                            compile=compile_steps, fast_kernels=fast_kernels, log=log)
     stages = {**pair.seconds, "runner": time.perf_counter() - t0}  # runner: caches allocated
     return Session(runner, pair.tokenizer, tree, tuple(eos_token_ids(pair.tokenizer, pair.verifier)),
-                   str(torch_dtype).replace("torch.", ""), stages)
+                   str(torch_dtype).replace("torch.", ""), stages,
+                   sources=tuple(str(p) for p in (model, drafter if tree.mode != "ar" else None) if p))
 
 
 def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | None = None,

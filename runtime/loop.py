@@ -13,6 +13,7 @@ Bookkeeping per round (P = committed length, i.e. tokens whose verifier KV is fi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -35,6 +36,7 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_s: float = 0.0
     elapsed_s: float = 0.0
+    tuning: dict | None = None  # the self-tuning tree's report (settings used, choices, costs), when it chose
 
     @property
     def mean_accepted(self) -> float:
@@ -120,13 +122,19 @@ def generate(
     tree: TreeConfig,
     sampling: SamplingConfig,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
+    tuner=None,
 ) -> GenerationResult:
-    """Speculative (or, with mode 'ar', plain) generation over one runner."""
+    """Speculative (or, with mode 'ar', plain) generation over one runner. tuner: a self-tuning tree
+    (treeflash_runtime.tuner.online.TreeTuner) that picks each round's tree instead of ``tree``."""
     sampling.validate()
+    if tuner is not None:
+        tree = tuner.next_tree()
     tree = checked_tree(runner, tree)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=runner.device).reshape(-1)
     P = int(prompt.shape[0])
-    check_capacity(runner, P, sampling, tree)
+    # With a tuner the largest tree it may pick must fit, whichever it starts with.
+    check_capacity(runner, P, sampling, tree if tuner is None else dataclasses.replace(
+        tree, tree_size=max(tree.tree_size, tuner.max_tree_size)))
     stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=P)
     out = Emitter(sampling, on_tokens)
 
@@ -135,7 +143,11 @@ def generate(
     stats.prefill_s = time.perf_counter() - t0
     done = out.emit([first])
     while not done:
+        if tuner is not None and stats.rounds:
+            runner.set_tree(tuner.next_tree())
         gained = runner.round()
+        if tuner is not None:
+            tuner.after_round(runner)
         stats.rounds += 1
         stats.accept_lengths.append(len(gained))
         done = out.emit(gained)
@@ -143,4 +155,7 @@ def generate(
         torch.cuda.synchronize(runner.device)
     stats.elapsed_s = time.perf_counter() - t0
     stats.new_tokens = len(out.tokens)
+    if tuner is not None:
+        stats.mode = "auto"
+        stats.tuning = tuner.report()
     return GenerationResult(out.tokens, stats, out.reason)

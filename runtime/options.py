@@ -10,6 +10,24 @@ from treeflash_export.errors import TreeFlashError
 
 _TREE = TreeConfig()
 ON_OFF = {"auto": None, "on": True, "off": False}  # --fast-kernels
+TUNED = ("mode", "tree_size", "top_m", "top_k")  # the tree settings the self-tuning tree may choose
+
+
+class AutoOrInt(click.ParamType):
+    """'auto' (the self-tuning tree chooses) or a whole number."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int) or str(value).strip().lower() == "auto":
+            return "auto" if isinstance(value, str) else value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither auto nor a whole number", param, ctx)
+
+
+_AUTO_HELP = " auto: the self-tuning tree chooses (torch backend, one sequence; see docs/tuning.md)."
 
 _OPTIONS = [
     click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id. "
@@ -22,16 +40,21 @@ _OPTIONS = [
                       "tree settings and cache size come from its manifest."),
     click.option("--verify-checksums/--no-verify-checksums", default=True,
                  help="Check every artifact file against the manifest's SHA-256 before use."),
-    click.option("--mode", type=click.Choice(MODES), default=None,
+    click.option("--mode", type=click.Choice(MODES + ("auto",)), default=None,
                  help=f"treeflash: head-conditioned tree; marginal: DDTree-style tree; chain: DFlash path; "
-                      f"ar: plain decoding on the same backend (the baseline). [default: {_TREE.mode}, or the "
+                      f"ar: plain decoding on the same backend (the baseline).{_AUTO_HELP} [default: {_TREE.mode}, "
+                      f"or the artifact's]"),
+    click.option("--tree-size", type=AutoOrInt(), default=None,
+                 help=f"Tree nodes per round N, root included.{_AUTO_HELP} [default: {_TREE.tree_size}, or the "
                       f"artifact's]"),
-    click.option("--tree-size", type=int, default=None,
-                 help=f"Tree nodes per round N, root included. [default: {_TREE.tree_size}, or the artifact's]"),
-    click.option("--top-m", type=int, default=None,
-                 help=f"Candidate parents per position (treeflash). [default: {_TREE.top_m}, or the artifact's]"),
-    click.option("--top-k", type=int, default=None,
-                 help=f"Children per parent row. [default: {_TREE.top_k}, or the artifact's]"),
+    click.option("--top-m", type=AutoOrInt(), default=None,
+                 help=f"Candidate parents per position (treeflash).{_AUTO_HELP} [default: {_TREE.top_m}, or the "
+                      f"artifact's]"),
+    click.option("--top-k", type=AutoOrInt(), default=None,
+                 help=f"Children per parent row.{_AUTO_HELP} [default: {_TREE.top_k}, or the artifact's]"),
+    click.option("--retune", is_flag=True,
+                 help="With auto tree settings: measure the round's costs again instead of reading them from the "
+                      "cache (TREEFLASH_CACHE/costs)."),
     click.option("--drafter-temperature", type=float, default=None,
                  help=f"Temperature of the drafter scores that shape the tree (never changes the output). "
                       f"[default: {_TREE.drafter_temperature}, or the artifact's]"),
@@ -64,7 +87,7 @@ def model_options(command):
 def check_model_options(model, drafter, artifacts, mode, max_seq_len) -> None:
     """The checks that need no model loaded (one-line errors before anything is read)."""
     if artifacts is None:
-        if model and (mode or _TREE.mode) != "ar" and not drafter:
+        if model and (mode or _TREE.mode) not in ("ar", "auto") and not drafter:
             raise TreeFlashError(f"--drafter is required for --mode {mode or _TREE.mode} "
                                  f"(or use --mode ar for plain decoding)")
     elif model or drafter:
@@ -75,19 +98,38 @@ def check_model_options(model, drafter, artifacts, mode, max_seq_len) -> None:
 
 def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size, top_m, top_k, drafter_temperature,
                  max_seq_len, device, dtype, cuda_graphs, fast_kernels, backend="torch", compile_steps=False,
-                 log=None, **batch):
+                 log=None, retune=False, **batch):
     """The session these options name: checkpoints (the default pair without --model) or an artifact
-    folder. batch: max_batch (and tree_size_by_batch) for request slots on the torch backend."""
+    folder. batch: max_batch (and tree_size_by_batch) for request slots on the torch backend. Tree
+    settings given as 'auto' are chosen round by round by the self-tuning tree (``Session.tuner``):
+    on the torch backend over checkpoints, one sequence at a time."""
     from .factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
 
     requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
                      drafter_temperature=drafter_temperature)
+    auto = [k for k in TUNED if requested[k] == "auto"]
+    if auto:
+        where = ("an artifact keeps its manifest's tree settings" if artifacts is not None else
+                 "request slots (--prompts-file, serving) take explicit tree settings for now"
+                 if batch.get("max_batch") else "only the torch backend tunes its tree" if backend != "torch" else "")
+        if where:
+            raise TreeFlashError(f"--{auto[0].replace('_', '-')} auto: {where}; give a value")
     kernels = ON_OFF[fast_kernels] if isinstance(fast_kernels, str) else fast_kernels
     if artifacts is None:
-        tree = TreeConfig(**{k: v for k, v in requested.items() if v is not None})
-        return session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
+        given = {k: v for k, v in requested.items() if v is not None and v != "auto"}
+        tree = TreeConfig(**given)
+        if auto and tree.mode == "ar" or "mode" not in auto and given.get("mode", _TREE.mode) in ("ar", "chain"):
+            auto = []  # nothing left to choose
+        sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
                                         device, dtype, log=log, cuda_graphs=cuda_graphs, compile_steps=compile_steps,
                                         fast_kernels=kernels, **batch)
+        if auto:
+            from .tuner.online import TreeTuner
+
+            fixed = {k: v for k, v in given.items() if k in TUNED}
+            sess.tuner = TreeTuner.for_runner(sess.runner, fixed, sources=sess.sources, dtype=sess.dtype, retune=retune,
+                                              log=log, drafter_temperature=tree.drafter_temperature)
+        return sess
     return session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend, device=device,
                                   dtype=dtype, verify_checksums=verify_checksums, cuda_graphs=cuda_graphs,
                                   compile_steps=compile_steps, fast_kernels=kernels, log=log, **batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -121,3 +122,15 @@ def write_turn_pair(src, dst, token: int):
     state["lm_head.weight"] = head
     save_file(state, str(weights), metadata={"format": "pt"})
     return dst
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy machine each op's thread barrier waits
+    for a core: many small generations (and the in-process references of the server tests) run on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -35,7 +35,7 @@ from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.errors import ConfigError
 from treeflash_export.models import TreeVerifier
 from treeflash_export.models.expand import marginal_tables, treeflash_tables
-from treeflash_export.tree import Tables, Tree, build_tree
+from treeflash_export.tree import Tables, Tree, build_tree, node_paths
 
 from ..loop import checked_tree
 from ..sampling import GREEDY, NUCLEUS, SAMPLE, accept, choose_tokens_keyed, sampling_kind
@@ -46,6 +46,7 @@ from .slots import bucket_sizes, power_of_two_groups, tree_sizes_by_bucket
 # chunk at once. Each slot's cache carries this many spare slots so padded passes never overflow.
 PREFILL_CHUNK = 256
 KINDS = (GREEDY, SAMPLE, NUCLEUS)
+OBS_NODES = 64  # the largest tree whose nodes a round reports to the self-tuning tree
 
 
 @dataclass
@@ -63,7 +64,10 @@ class RoundState:
     out       [M, B + 1] int64  out[m, 0] = tokens gained by slot m in the last call, then the tokens
     active    [M] bool    the round advances this slot (False: idle, or still being prefilled)
     temperature, top_p [M] float32; seed [M] int64: the slot's request's sampling
-    A round accepts at most min(N, B) nodes per slot (path_len), the rows of pending and out it uses.
+    obs_score [M, OBS] float32, obs_rank [M, 2, OBS] int64, obs_accepted [M, OBS] bool: with
+              ``observing`` on, the last round's nodes (tree order): path scores, largest parent row
+              and child rank on the path (treeflash_export.tree.node_paths), and whether accepted
+    A round accepts at most min(N, B) nodes per slot, the rows of pending and out it uses.
     """
 
     kv: torch.Tensor
@@ -77,6 +81,9 @@ class RoundState:
     temperature: torch.Tensor
     top_p: torch.Tensor
     seed: torch.Tensor
+    obs_score: torch.Tensor
+    obs_rank: torch.Tensor
+    obs_accepted: torch.Tensor
 
 
 def fast_kernels_default(device: torch.device, compiled: bool) -> bool:
@@ -174,6 +181,10 @@ class TorchRunner(Runner):
         self.host_kind = [GREEDY] * self.max_batch
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
+        # Set by the self-tuning tree: rounds report their nodes (obs_*), and plain decoding rounds keep
+        # the drafter's context current so that a tree round may follow any of them.
+        self.observing = False
+        self.keep_context = False
         self.compiled = bool(compile)
         if self.compiled:
             self._compile_steps()
@@ -206,6 +217,9 @@ class TorchRunner(Runner):
             active=torch.zeros(M, dtype=torch.bool, device=dev),
             temperature=torch.zeros(M, dtype=torch.float32, device=dev),
             top_p=torch.ones(M, dtype=torch.float32, device=dev), seed=zeros.clone(),
+            obs_score=torch.zeros(M, OBS_NODES, dtype=torch.float32, device=dev),
+            obs_rank=torch.zeros(M, 2, OBS_NODES, dtype=torch.long, device=dev),
+            obs_accepted=torch.zeros(M, OBS_NODES, dtype=torch.bool, device=dev),
         )
 
     def _first(self, cache: torch.Tensor | None, b: int) -> torch.Tensor | None:
@@ -218,7 +232,11 @@ class TorchRunner(Runner):
         self.tree = checked_tree(self, tree)
         self.tree_by_bucket = tree_sizes_by_bucket(self.buckets, self.tree, tree_size_by_batch or {})
         self.max_tree_size = max(self.tree_by_bucket.values())  # the largest tree a round builds
-        self.path_len = 1 if self.tree.mode == "ar" else min(self.max_tree_size, self.block_size)
+
+    def set_tree(self, tree: TreeConfig) -> None:
+        """The next rounds' tree setting (one sequence; the self-tuning tree changes it between rounds)."""
+        if tree != self.tree:
+            self.configure(tree)
 
     def _own_drafter_setting(self) -> None:
         """The drafter module is the caller's and may serve several runners: it takes this runner's
@@ -397,8 +415,11 @@ class TorchRunner(Runner):
         if tree.mode == "ar":
             with self._stage("verify"):
                 one = torch.ones(b, 1, 1, dtype=torch.bool, device=self.device)
-                logits, _ = self.verifier.forward_cached(root[:, None], P[:, None], one, kv, P, key_bound=bound)
+                logits, feats = self.verifier.forward_cached(root[:, None], P[:, None], one, kv, P, key_bound=bound)
                 y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + 1, kind)
+            if self.keep_context and self.drafter is not None:
+                with self._stage("draft"):
+                    self._keep_context(b, feats, bound)
             with self._stage("accept"):
                 self._commit_plain(b, y[:, 0])
             return
@@ -408,6 +429,11 @@ class TorchRunner(Runner):
             tables = Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, tree)), root[:, None], z))
         with self._stage("tree"):
             trees = _fields(self.build_tree(tables, root, tree.tree_size))
+            if self.observing and tree.tree_size <= OBS_NODES:
+                score, m_rank, k_rank = node_paths(tables, Tree(*trees))
+                st.obs_score[:b, : tree.tree_size] = score
+                st.obs_rank[:b, 0, : tree.tree_size] = m_rank
+                st.obs_rank[:b, 1, : tree.tree_size] = k_rank
         tokens, _, depths, mask, _ = trees
         with self._stage("verify"):
             logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, mask, kv, P, key_bound=bound)
@@ -422,7 +448,7 @@ class TorchRunner(Runner):
         P, count = st.past_len[:b], st.pending_count[:b]
         block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
         block = torch.cat([st.root[:b, None], block[:, 1:]], dim=1)
-        return self.drafter.model.forward_cached(st.pending[:b, : self.path_len], P - count, count,
+        return self.drafter.model.forward_cached(st.pending[:b], P - count, count,
                                                  self.verifier.embed_tokens(block), self._first(st.draft_kv, b),
                                                  key_bound=bound)
 
@@ -447,7 +473,7 @@ class TorchRunner(Runner):
         inactive slot keeps its state (its cache past its length may change: nothing reads it before
         it is written again)."""
         st = self.state
-        L = min(self.path_len, trees[0].shape[1])
+        L = min(self.block_size, trees[0].shape[1])
         path, tau, bonus = _map(b, lambda tk, pa, de, ma, va, yy: accept(Tree(tk, pa, de, ma, va), yy, L), *trees, y)
         active = st.active[:b]
         ids = torch.arange(L, device=self.device)
@@ -466,6 +492,33 @@ class TorchRunner(Runner):
         st.out[:b, 1 : 1 + L] = gained
         st.past_len[:b] += tau
         st.root[:b] = torch.where(active, bonus, st.root[:b])
+        N = trees[0].shape[1]
+        if self.observing and N <= OBS_NODES:
+            on_path = torch.zeros(b, N, dtype=torch.bool, device=self.device)
+            st.obs_accepted[:b, :N] = on_path.scatter(1, path, ids[None, :] < tau[:, None])
+
+    def _keep_context(self, b: int, feats: torch.Tensor, bound: int) -> None:
+        """Plain decoding inside a speculative generation: the pending context enters the drafter's
+        cache now and the step's own features become the pending context, so a tree round may follow."""
+        st = self.state
+        count, active = st.pending_count[:b], st.active[:b]
+        self.drafter.model.forward_cached(st.pending[:b], st.past_len[:b] - count, count, None,
+                                          self._first(st.draft_kv, b), key_bound=bound)
+        st.pending[:b, :1] = torch.where(active[:, None, None], feats[:, :1].to(st.pending.dtype), st.pending[:b, :1])
+        st.pending_count[:b] = torch.where(active, torch.ones_like(count), count)
+
+    def observation(self, slot: int, tree: TreeConfig) -> dict | None:
+        """The last round's nodes of ``slot`` for the self-tuning tree (host lists, root excluded, tree
+        order): path scores, largest parent row and child rank, accepted; None when not observed."""
+        n = tree.tree_size
+        if not self.observing or tree.mode == "ar" or n > OBS_NODES:
+            return None
+        st = self.state
+        rows = torch.cat([st.obs_score[slot, 1:n], st.obs_rank[slot, :, 1:n].float().flatten(),
+                          st.obs_accepted[slot, 1:n].float()]).tolist()  # one read-back
+        k = n - 1
+        return {"scores": rows[:k], "m_rank": rows[k : 2 * k], "k_rank": rows[2 * k : 3 * k],
+                "accepted": rows[3 * k :]}
 
     def _commit_plain(self, b: int, token: torch.Tensor) -> None:
         """Plain decoding's commit: the one node's K/V already sit at slot P; each active slot gains its token."""
@@ -476,6 +529,74 @@ class TorchRunner(Runner):
         st.out[:b, 1] = token
         st.past_len[:b] += gained
         st.root[:b] = torch.where(active, token, st.root[:b])
+
+    # ------------------------------------------------------------------ the self-tuning tree's probe
+
+    @contextlib.contextmanager
+    def probing(self, b: int, prompt_tokens: int = 64):
+        """Slots 0..b-1 hold a dummy prompt of ``prompt_tokens`` tokens while the self-tuning tree times a
+        round's parts (``time_part``); every slot is freed after."""
+        ids = torch.arange(1, prompt_tokens + 1, device=self.device) % self.vocab_size
+        self._probe_memo: dict = {}
+        try:
+            for slot in range(b):
+                self.admit(slot, SamplingConfig())
+            self.prefill_many([(slot, ids, True) for slot in range(b)])
+            yield self
+        finally:
+            for slot in reversed(range(b)):
+                self.release(slot, slot + 1)
+            self._probe_memo = {}
+
+    @torch.inference_mode()
+    def time_part(self, part: str, b: int, **params) -> float:
+        """Seconds of one part of a round over slots 0..b-1 (inside ``probing``), synchronised; the
+        committed state is put back after, so every call times the same lengths. Parts (the tuner's
+        probe protocol, treeflash_runtime.tuner.cost): 'ar', 'draft', 'verify' (nodes=N), 'expand'
+        (top_m=M, top_k=K, or mode='chain'), 'tree' (tree_size=N), 'round' (setting=...)."""
+        from ..tuner.setting import Setting
+
+        st, memo = self.state, self._probe_memo
+        fields = (st.past_len, st.root, st.pending, st.pending_count, st.out, st.active)
+        saved = [t.clone() for t in fields]
+        bound = 0 if self.compiled else min(max(self.host_len[:b]) + 2 * OBS_NODES + self.block_size, self.slot_size)
+        P, root = st.past_len[:b], st.root[:b]
+
+        def tables_for(cfg):
+            if "z" not in memo:
+                memo["z"] = self.draft(b, bound)
+            return Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, cfg)), root[:, None], memo["z"]))
+
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        if part in ("ar", "round"):
+            s = params.get("setting", Setting("ar", 1, 1, 1))
+            self._round(b, TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k).resolved(
+                self.block_size), GREEDY, bound)
+        elif part == "draft":
+            self.draft(b, bound)
+        elif part == "verify":
+            n = int(params["nodes"])
+            ids = torch.arange(n, device=self.device)
+            mask = (ids[:, None] >= ids[None, :]).expand(b, n, n)
+            self.verifier.forward_cached(root[:, None].expand(b, n), P[:, None] + ids, mask, self._first(st.kv, b), P,
+                                         key_bound=bound)
+        elif part == "expand":
+            chain = params.get("mode") == "chain"
+            tables_for(TreeConfig(mode="chain").resolved(self.block_size) if chain else
+                       TreeConfig(top_m=int(params["top_m"]), top_k=int(params["top_k"])))
+        elif part == "tree":
+            if "tables" not in memo:
+                memo["tables"] = tables_for(TreeConfig(top_m=4, top_k=16))
+            self.build_tree(memo["tables"], root, int(params["tree_size"]))
+        else:
+            raise ValueError(f"unknown part {part!r}")
+        sync()
+        seconds = time.perf_counter() - t0
+        for dst, src in zip(fields, saved):
+            dst.copy_(src)
+        return seconds
 
     # ------------------------------------------------------------------ compilation, CUDA graphs, timing
 
@@ -546,7 +667,7 @@ class TorchRunner(Runner):
     def _round_key(self, b: int, kind: int) -> tuple:
         """A round graph's key: bucket, tree setting (with the bucket's size) and sampling kind, never
         sampling values (those are device data)."""
-        return ("round", b, self._bucket_tree(b), kind)
+        return ("round", b, self._bucket_tree(b), kind, self.observing, self.keep_context)
 
     @contextlib.contextmanager
     def _scratch(self):

@@ -44,6 +44,8 @@ def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, dev
 def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
     if mode == "ar":
         return TreeConfig(mode="ar")
+    if mode == "auto":  # the self-tuning tree picks each round's (run_bench passes it the tuner)
+        return TreeConfig()
     if artifacts:  # the graphs fix the tree
         if mode != sess.tree.mode:
             raise TreeFlashError(f"the artifact was built for mode {sess.tree.mode!r}; benchmarking "
@@ -308,39 +310,53 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
         else:
             modes = "treeflash"
     mode_list = [m for m in _split(modes) if m != "ar"] + ["ar"]
-    bad = [m for m in mode_list if m not in MODES]
+    if "auto" in mode_list and (artifacts or backends != ["torch"]):
+        raise TreeFlashError("--modes auto (the self-tuning tree) runs on the torch backend over checkpoints")
+    bad = [m for m in mode_list if m not in MODES + ("auto",)]
     if bad:
         raise TreeFlashError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
     rows, outputs = [], {}
-    configs = [(m, n) for m in mode_list if m not in ("ar", "chain") for n in (tree_sizes if not artifacts else [None])]
+    configs = [(m, n) for m in mode_list if m not in ("ar", "chain", "auto")
+               for n in (tree_sizes if not artifacts else [None])]
+    configs = [(m, None) for m in mode_list if m == "auto"] + configs
     configs = [(m, None) for m in mode_list if m == "chain"] + configs + [("ar", None)]
     ids = None
     for backend in backends:
-        sess = _session(artifacts, model, drafter, backend, mode_list[0], tree_kw, max_seq_len, device)
+        sess = _session(artifacts, model, drafter, backend, next(m for m in mode_list if m != "auto"), tree_kw,
+                        max_seq_len, device)
+        tuner = None
+        if "auto" in mode_list:
+            from ..tuner.online import TreeTuner
+
+            tuner = TreeTuner.for_runner(sess.runner, {}, sources=sess.sources, dtype=sess.dtype,
+                                         log=lambda m: click.echo(m, err=True))
         if ids is None:
             ids = _prompt_ids(prompts, sess.tokenizer)
         stops = () if ignore_eos else tuple(sorted(sess.stop_token_ids))
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=stops)
         for mode, size in configs:
             tree = _tree_for(sess, artifacts, mode, size, tree_kw)
-            generate(sess.runner, ids[0], tree, sampling)  # warm-up
+            tuned = tuner if mode == "auto" else None
+            generate(sess.runner, ids[0], tree, sampling, tuner=tuned)  # warm-up (the tuner's first exploration)
             tokens = rounds = gained = 0
             elapsed = 0.0
             outs = []
             for _ in range(repeat):
                 for p in ids:
                     t0 = time.perf_counter()
-                    res = generate(sess.runner, p, tree, sampling)
+                    res = generate(sess.runner, p, tree, sampling, tuner=tuned)
                     elapsed += time.perf_counter() - t0
                     tokens += res.stats.new_tokens
                     rounds += res.stats.rounds
                     gained += sum(res.stats.accept_lengths)
                     outs.append(res.token_ids)
             outputs[backend, mode, size] = outs
-            rows.append({"backend": backend, "mode": mode, "tree_size": tree.resolved(sess.runner.block_size).tree_size,
+            rows.append({"backend": backend, "mode": mode,
+                         "tree_size": None if tuned else tree.resolved(sess.runner.block_size).tree_size,
                          "new_tokens": tokens, "rounds": rounds, "elapsed_s": elapsed,
                          "mean_accepted": gained / rounds if rounds else 0.0,
-                         "tokens_per_s": tokens / elapsed if elapsed else 0.0})
+                         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
+                         **({"tuning": tuned.report()} if tuned else {})})
     by = {(r["backend"], r["mode"], r["tree_size"]): r for r in rows}
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_s"] / by[r["backend"], "ar", 1]["tokens_per_s"]
@@ -362,8 +378,13 @@ def format_report(report: dict) -> str:
     head = f"{'backend':<12} {'mode':<10} {'N':>4} {'tok/round':>9} {'tok/s':>9} {'vs ar':>7} {ref.replace('ratio_', ''):>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['backend']:<12} {r['mode']:<10} {r['tree_size']:>4} {r['mean_accepted']:>9.2f} "
+        size = "-" if r["tree_size"] is None else r["tree_size"]
+        lines.append(f"{r['backend']:<12} {r['mode']:<10} {size:>4} {r['mean_accepted']:>9.2f} "
                      f"{r['tokens_per_s']:>9.1f} {r['speedup_vs_ar']:>6.2f}x {r[ref]:>11.2f}x")
+    for r in rows:
+        if "tuning" in r:
+            top = sorted(r["tuning"]["settings_used"].items(), key=lambda kv: -kv[1])[:4]
+            lines.append(f"auto ({r['backend']}): rounds by setting " + ", ".join(f"{k} {v}" for k, v in top))
     lines.append(f"greedy outputs identical across all rows: {report['identical_outputs']} "
                  f"({report['prompts']} prompts x {report['repeat']}, up to {report['max_new_tokens']} new tokens"
                  f"{', ending at end of turn' if report.get('stops_at_eos') else ''})")

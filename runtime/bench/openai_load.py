@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 from urllib.parse import urlsplit
 
 from treeflash_export.errors import TreeFlashError
 
-from .server import distinct_prompts, serving_row, serving_table
+from .server import closed_loop, distinct_prompts, serving_row, serving_table
 
 
 class _Client:
@@ -86,32 +85,7 @@ class _Client:
 
 
 def _level(client: _Client, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
-    results: list[dict | None] = [None] * len(bodies)
-    errors: list[str] = []
-    order = iter(range(len(bodies)))
-    lock = threading.Lock()
-
-    def worker():
-        while True:
-            with lock:
-                i = next(order, None)
-            if i is None or errors:
-                return
-            try:
-                results[i] = client.stream(bodies[i])
-            except TreeFlashError as exc:
-                errors.append(str(exc))
-                return
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise TreeFlashError(errors[0])
-    return results, time.perf_counter() - t0
+    return closed_loop(bodies, client.stream, concurrency)
 
 
 def run_openai_bench(url: str, prompts: list[str], max_new_tokens: int, concurrency: list[int], requests: int,

@@ -61,27 +61,26 @@ def _in_process(sess, prompts: list[str], max_new_tokens: int) -> tuple[list[dic
     return out, wall
 
 
-def _through_server(server: str, prompts: list[str], max_new_tokens: int, concurrency: int,
-                    model: str = "treeflash") -> tuple[list[dict], float]:
-    from ..serving.client import request_inputs, stream_grpc
-
-    results: list[dict | None] = [None] * len(prompts)
+def closed_loop(items: list, call, concurrency: int) -> tuple[list, float]:
+    """call(item) for every item from ``concurrency`` client threads, each taking the next item when
+    its last call returns -> (results in item order, wall seconds). The first TreeFlashError stops
+    the clients and is raised."""
+    results: list = [None] * len(items)
     errors: list[str] = []
-    next_index = iter(range(len(prompts)))
+    order = iter(range(len(items)))
     lock = threading.Lock()
 
     def worker():
         while True:
             with lock:
-                i = next(next_index, None)
+                i = next(order, None)
             if i is None or errors:
                 return
             try:
-                r = stream_grpc(server, request_inputs(prompts[i], max_new_tokens, stream=True), model=model)
+                results[i] = call(items[i])
             except TreeFlashError as exc:
                 errors.append(str(exc))
                 return
-            results[i] = dict(_timing(r.arrivals), tokens=r.new_tokens, output=r.token_ids)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     t0 = time.perf_counter()
@@ -91,8 +90,22 @@ def _through_server(server: str, prompts: list[str], max_new_tokens: int, concur
         t.join()
     wall = time.perf_counter() - t0
     if errors:
-        raise TreeFlashError(f"the server failed a request: {errors[0]}")
+        raise TreeFlashError(errors[0])
     return results, wall
+
+
+def _through_server(server: str, prompts: list[str], max_new_tokens: int, concurrency: int,
+                    model: str = "treeflash") -> tuple[list[dict], float]:
+    from ..serving.client import request_inputs, stream_grpc
+
+    def call(prompt):
+        r = stream_grpc(server, request_inputs(prompt, max_new_tokens, stream=True), model=model)
+        return dict(_timing(r.arrivals), tokens=r.new_tokens, output=r.token_ids)
+
+    try:
+        return closed_loop(prompts, call, concurrency)
+    except TreeFlashError as exc:
+        raise TreeFlashError(f"the server failed a request: {exc}") from None
 
 
 def run_serving_bench(artifacts: str, server: str, prompts: list[str], max_new_tokens: int, concurrency: list[int],

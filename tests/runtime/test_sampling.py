@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
 import torch
+from conftest import one_thread
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
@@ -166,18 +166,6 @@ def exact_distribution(verifier, temperature, top_p):
             if last[t] > 0:
                 probs[s + (t,)] = pr * float(last[t])
     return probs
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy machine each op's thread barrier waits
-    for a core: the thousands of small generations below run on one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def sample_counts(runner, tree_cfg, temperature, top_p, n, rounds=None):

@@ -302,7 +302,7 @@ def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load
     runner.capture_all()  # what a CUDA runner with a deployment tree does at start-up
     tree = runner.tree
     assert set(runner._graphs) == {("prefill", 1), ("prefill", 2)} | {
-        ("round", b, dataclasses.replace(tree, tree_size=runner.tree_by_bucket[b]), kind)
+        ("round", b, dataclasses.replace(tree, tree_size=runner.tree_by_bucket[b]), kind, False, False)
         for b in (1, 2, 3) for kind in (GREEDY, SAMPLE, NUCLEUS)}
     assert lines[0] == "capturing CUDA graphs 1/11" and lines[-1].startswith("captured 11 CUDA graphs in")
     at_start = len(captured)

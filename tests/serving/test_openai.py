@@ -9,7 +9,6 @@ it with SIGTERM while a stream runs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import os
@@ -20,7 +19,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from conftest import PROMPTS
+from conftest import PROMPTS, one_thread
 
 from treeflash_runtime.serving.local_server import free_port
 
@@ -34,19 +33,6 @@ TREE = ["--tree-size", "16", "--top-m", "4", "--top-k", "4", "--max-seq-len", "2
 NEW = 12
 EIGHT = PROMPTS + ["for i in range(10):", "Once upon a time", "SELECT * FROM users WHERE", "#include <stdio.h>\n",
                    "The capital of France is"]
-
-
-@contextlib.contextmanager
-def one_thread():
-    """The in-process references on one thread too (see Server)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class Server:

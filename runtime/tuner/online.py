@@ -1,0 +1,127 @@
+"""The self-tuning tree as a generation uses it: the cost model measured through the runner's probe
+(or read from the disk cache), the candidates the user's explicit values leave, and, round by round,
+the tree to run next and what the last round showed.
+
+The runner is duck-typed (``probing``, ``time_part``, ``observation``, ``set_tree``, plus the
+Runner attributes); nothing here imports a backend or holds a tensor of the round.
+
+    tuner = TreeTuner.for_runner(runner, fixed, sources=(verifier_dir, drafter_dir), dtype="float32")
+    tree = tuner.next_tree()            # before each round (and for begin)
+    tuner.after_round(runner)           # after it
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from treeflash_export.config import TreeConfig
+
+from .acceptance import AcceptanceModel, Observation
+from .auto import AutoTuner
+from .cache import CostCache, CostKey, pair_fingerprint
+from .cost import CostModel, default_grid, measure
+from .setting import FIELDS, Setting, candidate_settings
+
+MAX_TREE = 64  # the largest tree the tuner builds (the runner reports rounds up to this size)
+PROBE_PROMPT = 64  # committed tokens while the parts are timed
+
+
+def runner_modes(runner) -> tuple[str, ...]:
+    """The modes this pair can run."""
+    modes = ["ar"]
+    if runner.block_size >= 2:
+        modes += ["chain", "marginal"] + (["treeflash"] if runner.has_head else [])
+    return tuple(modes)
+
+
+def cost_key(runner, sources, dtype: str) -> CostKey:
+    import torch
+
+    from treeflash_export import __version__
+
+    dev = runner.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu x{torch.get_num_threads()}"
+    return CostKey(pair_fingerprint(*sources), name, dtype, runner.name, __version__, max_batch=runner.max_batch,
+                   capacity=runner.capacity, block_size=runner.block_size,
+                   options=f"graphs={runner.use_graphs} kernels={runner.fast_kernels} compiled={runner.compiled}")
+
+
+def measure_runner(runner, buckets: list[int], log=None) -> CostModel:
+    """Times the default grid's parts on the runner, bucket by bucket."""
+    grid = default_grid(runner_modes(runner), runner.block_size, MAX_TREE)
+    model = CostModel()
+    for b in buckets:
+        with runner.probing(b, PROBE_PROMPT) as probe:
+            model = model.merged(measure(probe, [b], grid, log))
+    return model
+
+
+class TreeTuner:
+    """Per round, the tree to run (an AutoTuner's choice among the candidates) and the observation of
+    the round that ran; ``used`` counts the settings run, ``report`` is for --json."""
+
+    def __init__(self, auto: AutoTuner, drafter_temperature: float = 1.0):
+        self.auto = auto
+        self.max_tree_size = max(s.tree_size for s in auto.candidates)  # what the caches must leave room for
+        self.drafter_temperature = drafter_temperature
+        self.current: Setting | None = None
+        self.used: Counter = Counter()
+
+    @classmethod
+    def for_runner(cls, runner, fixed: dict, *, sources, dtype: str, retune: bool = False, log=None,
+                   cache: CostCache | None = None, drafter_temperature: float = 1.0) -> "TreeTuner":
+        """fixed: the settings the user gave (field -> value); the others are chosen. The cost model is
+        measured on first use for this pair, device, dtype and backend, then read from the cache."""
+        fixed = {k: v for k, v in fixed.items() if k in FIELDS and v is not None}
+        modes = runner_modes(runner)
+        candidates = candidate_settings(modes, runner.block_size, MAX_TREE, fixed=fixed)
+        candidates = [s if s.mode != "chain" else Setting("chain", runner.block_size, 1, 1) for s in candidates]
+        key = cost_key(runner, sources, dtype)
+        cost = (cache or CostCache()).get_or_measure(key, [1], lambda buckets: measure_runner(runner, buckets, log),
+                                                     retune=retune, log=log)
+        runner.observing = runner.keep_context = True
+        plain = fixed.get("mode") in (None, "ar")
+        # A wider hysteresis than the policy's default: a new setting must promise 10% more (on a GPU each
+        # new setting is a graph capture).
+        auto = AutoTuner(cost, AcceptanceModel(), [s for s in candidates if s.mode != "ar"] or candidates,
+                         runner.block_size, hysteresis=0.1, plain=plain)
+        return cls(auto, drafter_temperature)
+
+    def next_tree(self, bucket: int = 1) -> TreeConfig:
+        s = self.auto.setting(bucket)
+        self.current = s
+        self.used[s.label()] += 1
+        return TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k,
+                          drafter_temperature=self.drafter_temperature)
+
+    def after_round(self, runner, slot: int = 0) -> None:
+        """Feeds the round that just ran (the runner's report of its nodes) to the acceptance model."""
+        s = self.current
+        raw = None if s is None or s.mode == "ar" else runner.observation(slot, self._tree(s))
+        self.auto.observe(None if raw is None else observation(s, raw))
+
+    def _tree(self, s: Setting) -> TreeConfig:
+        return TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k)
+
+    def report(self) -> dict:
+        rep = self.auto.report()
+        rep["settings_used"] = dict(self.used)
+        rep["cost_ms"] = {str(b): c.to_json() for b, c in self.auto.cost.buckets.items()}
+        return rep
+
+
+def observation(s: Setting, raw: dict) -> Observation:
+    """The runner's report of one round's nodes (tree order) -> an Observation in best-first order
+    (score descending; padding nodes, score -inf, dropped)."""
+    scores = np.asarray(raw["scores"], dtype=float)
+    keep = np.isfinite(scores)
+    order = np.argsort(-scores[keep], kind="stable")
+
+    def pick(name, dtype):
+        return np.asarray(raw[name], dtype=dtype)[keep][order]
+
+    return Observation(mode=s.mode, scores=scores[keep][order], accepted=pick("accepted", float) > 0.5,
+                       top_m=s.top_m, top_k=s.top_k, m_rank=pick("m_rank", float).astype(int),
+                       k_rank=pick("k_rank", float).astype(int))

@@ -1,0 +1,107 @@
+"""The self-tuning tree in the generation loop: whatever it picks round by round, greedy output is the
+verifier's own; it falls back to plain decoding when the cost model says drafting cannot pay, keeps
+explicit values, and reads its costs from the keyed cache once measured. (The policy alone, on
+synthetic processes: tests/runtime/test_tuner.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from conftest import PROMPTS, hf_greedy
+from oracle import OracleRunner
+
+from treeflash_export.config import SamplingConfig, TreeConfig
+from treeflash_runtime import generate
+from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.tuner.cache import CostCache
+from treeflash_runtime.tuner.cost import BucketCosts, CostModel
+from treeflash_runtime.tuner.online import TreeTuner, cost_key
+
+
+def costs(ar: float, tree_part: float) -> CostModel:
+    """A cost model by hand: a plain step of `ar` ms, and every part of a round `tree_part` ms."""
+    pts = {4: tree_part, 16: tree_part, 64: tree_part}
+    return CostModel({1: BucketCosts(ar=ar, draft=tree_part, verify=pts, tree=pts,
+                                     expand={(1, 16): tree_part, (4, 16): tree_part, (16, 16): tree_part,
+                                             "chain": tree_part})})
+
+
+def tuner_for(runner, sources, tmp_path, model: CostModel | None, fixed=None, log=None) -> TreeTuner:
+    cache = CostCache(tmp_path / "costs")
+    if model is not None:
+        cache.save(cost_key(runner, sources, "float32"), model)
+    return TreeTuner.for_runner(runner, fixed or {}, sources=sources, dtype="float32", cache=cache, log=log)
+
+
+def _sources(pair_dirs, name="qwen3"):
+    return (str(pair_dirs[name] / "verifier"), str(pair_dirs[name] / "drafter"))
+
+
+@pytest.mark.parametrize("fixed", [{}, {"mode": "marginal"}, {"mode": "treeflash", "tree_size": 8}],
+                         ids=["all-auto", "marginal", "treeflash-N8"])
+def test_tuned_rounds_are_exact(load, pair_dirs, tmp_path, fixed):
+    """Cheap trees (a cost model by hand): the tuner explores each family's largest tree, then chooses
+    among many settings round by round, plain decoding among them; an oracle drafter makes rounds
+    accept deep paths. Greedy output equals transformers' own throughout."""
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    want = hf_greedy(pair.verifier, ids, 48)
+    runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + want, seed=1)
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree_part=1.0), fixed)
+    res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=48), tuner=tuner)
+    assert res.token_ids == want
+    used = res.stats.tuning["settings_used"]
+    assert sum(used.values()) == res.stats.rounds  # the first round runs the setting begin() prepared
+    assert len(used) >= 2 and max(res.stats.accept_lengths) >= 3, used
+    for label in used:
+        if fixed.get("mode"):
+            assert label.startswith(fixed["mode"]), label
+        if "tree_size" in fixed:
+            assert f"N={fixed['tree_size']} " in label, label
+
+
+def test_falls_back_to_plain_decoding_when_drafting_cannot_pay(load, pair_dirs, tmp_path):
+    """Plain steps of 1 ms and rounds of 500 ms: no tree can pay, so every round is plain decoding (the
+    drafter keeps its context current all the same), and the output is the verifier's."""
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[1])["input_ids"]
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=1.0, tree_part=100.0))
+    res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=24), tuner=tuner)
+    assert res.token_ids == hf_greedy(pair.verifier, ids, 24)
+    assert set(res.stats.tuning["settings_used"]) == {"ar"} and res.stats.tuning["choices"]["1"]["mode"] == "ar"
+
+
+def test_costs_are_measured_once_then_read_from_the_cache(load, pair_dirs, tmp_path):
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    lines: list[str] = []
+    tuner_for(runner, _sources(pair_dirs), tmp_path, None, log=lines.append)
+    measured = [line for line in lines if line.startswith("tuning: measuring")]
+    assert measured and measured[-1].startswith("tuning: measuring a full round")
+    lines.clear()
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, None, log=lines.append)
+    assert not [line for line in lines if line.startswith("tuning: measuring")]
+    c = tuner.auto.cost.buckets[1]
+    assert c.ar > 0 and c.draft > 0 and set(c.verify) == {4, 16, 64}
+
+
+def test_treeflash_run_with_auto_settings(pair_dirs, tmp_path, monkeypatch):
+    """treeflash-run --tree-size auto: the JSON names the settings run and the tuner's choice, the tokens
+    equal plain decoding's; auto settings are refused where they cannot apply."""
+    from treeflash_runtime.cli import main
+
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path / "cache"))
+    d = pair_dirs["qwen3"]
+    base = ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--prompt", PROMPTS[0],
+            "--max-new-tokens", "20", "--ignore-eos", "--json"]
+    plain = json.loads(CliRunner().invoke(main, base + ["--mode", "ar"]).stdout)
+    r = CliRunner().invoke(main, base + ["--tree-size", "auto", "--top-m", "auto"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == plain["token_ids"] and out["mode"] == "auto"
+    assert sum(out["tuning"]["settings_used"].values()) == out["rounds"] and "1" in out["tuning"]["cost_ms"]
+    r = CliRunner().invoke(main, ["--artifacts", str(tmp_path), "--tree-size", "auto", "--prompt", "x"])
+    assert r.exit_code != 0 and "an artifact keeps its manifest's tree settings" in r.output
