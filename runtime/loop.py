@@ -13,6 +13,7 @@ Bookkeeping per round (P = committed length, i.e. tokens whose verifier KV is fi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
@@ -138,19 +139,20 @@ def generate(
     stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=P)
     out = Emitter(sampling, on_tokens)
 
-    t0 = time.perf_counter()
-    first = runner.begin(prompt, tree, sampling)
-    stats.prefill_s = time.perf_counter() - t0
-    done = out.emit([first])
-    while not done:
-        if tuner is not None and stats.rounds:
-            runner.set_tree(tuner.next_tree())
-        gained = runner.round()
-        if tuner is not None:
-            tuner.after_round(runner)
-        stats.rounds += 1
-        stats.accept_lengths.append(len(gained))
-        done = out.emit(gained)
+    with contextlib.nullcontext() if tuner is None else tuner.driving(runner):
+        t0 = time.perf_counter()
+        first = runner.begin(prompt, tree, sampling)
+        stats.prefill_s = time.perf_counter() - t0
+        done = out.emit([first])
+        while not done:
+            if tuner is not None and stats.rounds:
+                runner.set_tree(tuner.next_tree())
+            gained = runner.round()
+            if tuner is not None:
+                tuner.after_round(runner)
+            stats.rounds += 1
+            stats.accept_lengths.append(len(gained))
+            done = out.emit(gained)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     stats.elapsed_s = time.perf_counter() - t0

@@ -118,8 +118,8 @@ def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size
     if artifacts is None:
         given = {k: v for k, v in requested.items() if v is not None and v != "auto"}
         tree = TreeConfig(**given)
-        if auto and tree.mode == "ar" or "mode" not in auto and given.get("mode", _TREE.mode) in ("ar", "chain"):
-            auto = []  # nothing left to choose
+        if "mode" not in auto and tree.mode in ("ar", "chain"):
+            auto = []  # nothing left to choose: plain decoding and the chain have no tree settings
         sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
                                         device, dtype, log=log, cuda_graphs=cuda_graphs, compile_steps=compile_steps,
                                         fast_kernels=kernels, **batch)

@@ -298,7 +298,6 @@ class TorchRunner(Runner):
         longest; captured, passes of PREFILL_CHUNK tokens over groups of a power-of-two size (each row
         at its own slot's range and length; padding tokens write past the chunk, where nothing reads
         them). Returns each slot's first new token on its last chunk, else None."""
-        dev = self.device
         if self.use_graphs:
             waves: dict[int, list] = {}  # piece index -> (slot, piece, last) of every chunk that has one
             for slot, tokens, last in chunks:
@@ -311,10 +310,7 @@ class TorchRunner(Runner):
         else:
             C = max(int(t.shape[0]) for _, t, _ in chunks)
             bound = 0 if self.compiled else min(max(self.host_len[s] for s, _, _ in chunks) + C, self.slot_size)
-            tokens = torch.stack([torch.nn.functional.pad(t, (0, C - t.shape[0])) for _, t, _ in chunks])
-            self._prefill_pass(tokens, torch.tensor([c[0] for c in chunks], device=dev),
-                               torch.tensor([int(t.shape[0]) for _, t, _ in chunks], device=dev),
-                               torch.tensor([c[2] for c in chunks], device=dev), bound)
+            self._prefill_pass(*self._pass_inputs(chunks, C), bound)
         for slot, tokens, _ in chunks:
             self.host_len[slot] += int(tokens.shape[0])
         last = [slot for slot, _, is_last in chunks if is_last]
@@ -327,10 +323,13 @@ class TorchRunner(Runner):
         key = ("prefill", k)
         if key not in self._graphs:
             self._capture_prefill(k)
-        dev = self.device
-        tokens = torch.stack([torch.nn.functional.pad(t, (0, PREFILL_CHUNK - t.shape[0])) for _, t, _ in group])
-        meta = torch.tensor([[s, int(t.shape[0]), int(last)] for s, t, last in group], device=dev)
-        self._graphs[key](tokens, meta[:, 0], meta[:, 1], meta[:, 2].bool())
+        self._graphs[key](*self._pass_inputs(group, PREFILL_CHUNK))
+
+    def _pass_inputs(self, rows: list[tuple[int, torch.Tensor, bool]], width: int) -> tuple[torch.Tensor, ...]:
+        """A prefill pass's arguments: tokens [k, width] (each row padded), slots, counts [k], last [k] bool."""
+        tokens = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[0])) for _, t, _ in rows])
+        meta = torch.tensor([[s, int(t.shape[0]), int(last)] for s, t, last in rows], device=self.device)
+        return tokens, meta[:, 0], meta[:, 1], meta[:, 2].bool()
 
     def _prefill_pass(self, tokens: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, last: torch.Tensor,
                       bound: int = 0) -> None:
@@ -554,24 +553,29 @@ class TorchRunner(Runner):
         committed state is put back after, so every call times the same lengths. Parts (the tuner's
         probe protocol, treeflash_runtime.tuner.cost): 'ar', 'draft', 'verify' (nodes=N), 'expand'
         (top_m=M, top_k=K, or mode='chain'), 'tree' (tree_size=N), 'round' (setting=...)."""
-        from ..tuner.setting import Setting
+        st = self.state
+        with self._kept(st.past_len, st.root, st.pending, st.pending_count, st.out, st.active):
+            self._sync()
+            t0 = time.perf_counter()
+            self._run_part(part, b, params)
+            self._sync()
+            return time.perf_counter() - t0
 
+    def _run_part(self, part: str, b: int, params: dict) -> None:
+        """One part of time_part, on slots 0..b-1 as probing left them."""
         st, memo = self.state, self._probe_memo
-        fields = (st.past_len, st.root, st.pending, st.pending_count, st.out, st.active)
-        saved = [t.clone() for t in fields]
-        bound = 0 if self.compiled else min(max(self.host_len[:b]) + 2 * OBS_NODES + self.block_size, self.slot_size)
         P, root = st.past_len[:b], st.root[:b]
+        bound = 0 if self.compiled else min(max(self.host_len[:b]) + 2 * OBS_NODES + self.block_size, self.slot_size)
 
-        def tables_for(cfg):
+        def tables_for(cfg):  # the expansion, from one drafter pass per probing session
             if "z" not in memo:
                 memo["z"] = self.draft(b, bound)
             return Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, cfg)), root[:, None], memo["z"]))
 
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        if part in ("ar", "round"):
-            s = params.get("setting", Setting("ar", 1, 1, 1))
+        if part == "ar":
+            self._round(b, TreeConfig(mode="ar"), GREEDY, bound)
+        elif part == "round":
+            s = params["setting"]
             self._round(b, TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k).resolved(
                 self.block_size), GREEDY, bound)
         elif part == "draft":
@@ -592,11 +596,6 @@ class TorchRunner(Runner):
             self.build_tree(memo["tables"], root, int(params["tree_size"]))
         else:
             raise ValueError(f"unknown part {part!r}")
-        sync()
-        seconds = time.perf_counter() - t0
-        for dst, src in zip(fields, saved):
-            dst.copy_(src)
-        return seconds
 
     # ------------------------------------------------------------------ compilation, CUDA graphs, timing
 
@@ -622,39 +621,50 @@ class TorchRunner(Runner):
         if self.timer is None:
             yield
             return
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
+        self._sync()
         t0 = time.perf_counter()
         yield
-        sync()
+        self._sync()
         self.timer[name] = self.timer.get(name, 0.0) + time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def _kept(self, *tensors: torch.Tensor):
+        """The state in ``tensors`` is put back when the block ends; the block gets restore() to put
+        it back earlier too (before each warm-up or replay of a scratch pass)."""
+        saved = [t.clone() for t in tensors]
+
+        def restore():
+            for dst, src in zip(tensors, saved):
+                dst.copy_(src)
+
+        try:
+            yield restore
+        finally:
+            restore()
 
     def graph_stage_times(self, count: int, b: int = 1) -> dict[str, float]:
         """Milliseconds per stage of the current setting's round over b slots as it runs in a CUDA
         graph: a separate capture with timing events between the stages, replayed ``count`` times
         from the current state (restored before each replay, so the committed lengths stay put)."""
         st = self.state
-        fields = (st.past_len, st.root, st.pending, st.pending_count, st.out)
-        saved = [t.clone() for t in fields]
-
-        def restore():
-            for dst, src in zip(fields, saved):
-                dst.copy_(src)
-
         self._marks = []
         try:
-            kind = max(self.host_kind[:b])
-            graph = self._capture(lambda: self._round(b, self._bucket_tree(b), kind), (), restore)
-            totals = dict.fromkeys((name for name, _, _ in self._marks), 0.0)
-            for _ in range(count):
-                restore()
-                graph()
-                torch.cuda.synchronize(self.device)
-                for name, start, end in self._marks:
-                    totals[name] += start.elapsed_time(end)
+            with self._kept(st.past_len, st.root, st.pending, st.pending_count, st.out) as restore:
+                kind = max(self.host_kind[:b])
+                graph = self._capture(lambda: self._round(b, self._bucket_tree(b), kind), (), restore)
+                totals = dict.fromkeys((name for name, _, _ in self._marks), 0.0)
+                for _ in range(count):
+                    restore()
+                    graph()
+                    torch.cuda.synchronize(self.device)
+                    for name, start, end in self._marks:
+                        totals[name] += start.elapsed_time(end)
         finally:
             self._marks = None
-            restore()
         return {name: ms / count for name, ms in totals.items()}
 
     def _capture(self, fn, args, reset) -> _Captured:
@@ -675,14 +685,9 @@ class TorchRunner(Runner):
         the state they touch is put back after (an inactive round only writes cache slots past each
         slot's length and the output rows)."""
         st = self.state
-        fields = (st.active, st.past_len, st.root, st.pending_count)
-        saved = [t.clone() for t in fields]
-        try:
+        with self._kept(st.active, st.past_len, st.root, st.pending_count) as restore:
             st.active.zero_()
-            yield lambda: (st.active.zero_(), st.past_len.copy_(saved[1]))
-        finally:
-            for dst, src in zip(fields, saved):
-                dst.copy_(src)
+            yield lambda: (restore(), st.active.zero_())
 
     def _capture_round(self, b: int, kind: int) -> None:
         t0 = time.perf_counter()

@@ -232,21 +232,18 @@ def _slot_cost_main(model, drafter, prompts, capacities, device, cuda_graphs, as
 
     log = lambda m: click.echo(m, err=True)  # noqa: E731
     tree = TreeConfig(tree_size=16, top_m=4, top_k=8)
-    tokenizer = []
 
-    def make_runner(capacity):
-        sess = session_from_checkpoints(model, drafter, tree, capacity, "torch", device, cuda_graphs=cuda_graphs,
+    def session(capacity):
+        return session_from_checkpoints(model, drafter, tree, capacity, "torch", device, cuda_graphs=cuda_graphs,
                                         log=log, max_batch=2)
-        tokenizer[:] = [sess.tokenizer]
-        return sess.runner
 
     try:
         sizes = [int(c) for c in capacities]
         if not sizes or min(sizes) < 64:
             raise TreeFlashError("--slot-costs takes cache capacities >= 64, e.g. 2048,16384")
-        first = make_runner(sizes[0])
-        ids = tokenizer[0](prompts[0])["input_ids"]
-        report = run_slot_cost_bench(lambda c: first if c == sizes[0] else make_runner(c), sizes, ids)
+        first = session(sizes[0])  # its tokenizer encodes the prompt; its runner times the first capacity
+        ids = first.tokenizer(prompts[0])["input_ids"]
+        report = run_slot_cost_bench(lambda c: first.runner if c == sizes[0] else session(c).runner, sizes, ids)
     except (TreeFlashError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -12,6 +12,7 @@ Runner attributes); nothing here imports a backend or holds a tensor of the roun
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import numpy as np
@@ -81,13 +82,22 @@ class TreeTuner:
         key = cost_key(runner, sources, dtype)
         cost = (cache or CostCache()).get_or_measure(key, [1], lambda buckets: measure_runner(runner, buckets, log),
                                                      retune=retune, log=log)
-        runner.observing = runner.keep_context = True
         plain = fixed.get("mode") in (None, "ar")
         # A wider hysteresis than the policy's default: a new setting must promise 10% more (on a GPU each
         # new setting is a graph capture).
         auto = AutoTuner(cost, AcceptanceModel(), [s for s in candidates if s.mode != "ar"] or candidates,
                          runner.block_size, hysteresis=0.1, plain=plain)
         return cls(auto, drafter_temperature)
+
+    @contextlib.contextmanager
+    def driving(self, runner):
+        """While a tuned generation runs: its rounds report their nodes, and plain decoding rounds keep
+        the drafter's context current (work a fixed setting on the same runner never pays)."""
+        runner.observing = runner.keep_context = True
+        try:
+            yield
+        finally:
+            runner.observing = runner.keep_context = False
 
     def next_tree(self, bucket: int = 1) -> TreeConfig:
         s = self.auto.setting(bucket)

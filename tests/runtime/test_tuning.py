@@ -72,6 +72,8 @@ def test_falls_back_to_plain_decoding_when_drafting_cannot_pay(load, pair_dirs, 
     res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=24), tuner=tuner)
     assert res.token_ids == hf_greedy(pair.verifier, ids, 24)
     assert set(res.stats.tuning["settings_used"]) == {"ar"} and res.stats.tuning["choices"]["1"]["mode"] == "ar"
+    # The tuner's extra work (node reports, the drafter's context in plain steps) ends with its generation.
+    assert not runner.observing and not runner.keep_context
 
 
 def test_costs_are_measured_once_then_read_from_the_cache(load, pair_dirs, tmp_path):
