@@ -117,7 +117,8 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--source", "sources", multiple=True, metavar="NAME[,NAME...]",
               help="Where training prompts come from (repeatable or a comma list), in equal shares: code "
                    "(standard-library source windows), chat-stdlib / chat-prose (chat turns the verifier writes "
-                   "about standard-library modules / Shakespeare passages, offline), data (the --data files). "
+                   "about standard-library modules / Shakespeare passages, offline), chat-self (everyday user "
+                   "turns the verifier writes from its chat template alone), data (the --data files). "
                    "[default: code, or data with --data]")
 @click.option("--mix", default=_T.mix, metavar="NAME:WEIGHT,...",
               help="Instead of --source: the sources and their shares of --train-prompts and --heldout-prompts, "
@@ -125,7 +126,8 @@ def build_cmd(model, drafter, out, mode, tree_size, top_m, top_k, drafter_temper
 @click.option("--instruction-tokens", type=int, default=_T.instruction_tokens,
               help="Chat sources: the most tokens of an instruction the verifier writes (longer ones are rejected).")
 @click.option("--instruction-temperature", type=float, default=_T.instruction_temperature,
-              help="Chat sources: 0 = greedy instructions; > 0 sampled at this temperature (seeded per candidate).")
+              help="Chat sources: 0 = greedy instructions; > 0 sampled at this temperature (seeded per candidate; "
+                   "chat-self needs > 0).")
 @click.option("--eval-every", type=int, default=_T.eval_every)
 @click.option("--save-every", type=int, default=_T.save_every)
 @click.option("--seed", type=int, default=_T.seed)

@@ -70,9 +70,11 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable). [default: three built-in prompts]")
 @click.option("--heldout-prompts", type=int, default=0,
               help="Instead, K prompts cut from the held-out part of the training corpus (never trained on).")
-@click.option("--heldout-domain", type=click.Choice(["code", "chat-stdlib", "chat-prose"]), default="code",
+@click.option("--heldout-domain", type=click.Choice(["code", "chat-stdlib", "chat-prose", "chat-self"]),
+              default="code",
               help="With --heldout-prompts: the training source they come from; chat domains are chat-templated "
-                   "requests about held-out modules or Shakespeare passages.")
+                   "requests about held-out modules or Shakespeare passages; chat-self the held-out user turns the "
+                   "verifier writes itself (generated once per verifier and cached).")
 @click.option("--prompt-tokens", type=int, default=48, help="Length of each held-out code prompt in tokens.")
 @click.option("--max-new-tokens", type=int, default=64)
 @click.option("--ignore-eos", is_flag=True,
@@ -275,7 +277,7 @@ def _openai_main(url, api_key, prompts, max_new_tokens, concurrency, requests, i
     click.echo(json.dumps(report) if as_json else format_openai_report(report))
 
 
-def _prompt_ids(source, tokenizer) -> list[list[int]]:
+def _prompt_ids(source, tokenizer, model=None) -> list[list[int]]:
     if isinstance(source, tuple):  # ("heldout", count, length, domain): held-out material of a training source
         import random
 
@@ -283,6 +285,11 @@ def _prompt_ids(source, tokenizer) -> list[list[int]]:
         from treeflash_export.training.sources import corpus_files
 
         _, count, length, domain = source
+        if domain == "chat-self":  # written by the verifier: it needs the verifier's checkpoint
+            from treeflash_export.smollm import cache_root, default_verifier
+            from treeflash_export.training.self_chat import heldout_turns
+
+            return heldout_turns(model or default_verifier(), tokenizer, count, cache_root() / "heldout-chat-self")
         if domain != "code":
             from treeflash_export.training.chat import heldout_prompts
 
@@ -328,7 +335,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
             tuner = TreeTuner.for_runner(sess.runner, {}, sources=sess.sources, dtype=sess.dtype,
                                          log=lambda m: click.echo(m, err=True))
         if ids is None:
-            ids = _prompt_ids(prompts, sess.tokenizer)
+            ids = _prompt_ids(prompts, sess.tokenizer, model)
         stops = () if ignore_eos else tuple(sorted(sess.stop_token_ids))
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=stops)
         for mode, size in configs:

@@ -193,7 +193,8 @@ def _generate_candidates(verifier, tok, source: str, split: str, seeds: list[See
         new = data.generate_data(verifier, asks, [], cfg.instruction_tokens, cfg.gen_batch,
                             progress=lambda done, total: bar.update(done - bar.n), width=width, pad_id=pad_id,
                             temperature=cfg.instruction_temperature,
-                            seeds=[data.prompt_seed(cfg.seed, f"{source}/{split}/instruction", i) for i in index])
+                            seeds=[data.prompt_seed(cfg.seed, f"{source}/{split}/instruction", i) for i in index],
+                            stops=stop_ids(tok))  # a batch whose every instruction has ended stops there
         bar.close()
         new = {"tokens": new["tokens"][:, width:]}
     new = data.join_shares(new, work, stem, world, len(seeds))

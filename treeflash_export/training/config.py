@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-CHAT_SOURCES = ("chat-stdlib", "chat-prose")
+CHAT_SOURCES = ("chat-stdlib", "chat-prose", "chat-self")
 SOURCES = ("code", *CHAT_SOURCES, "data")
 
 

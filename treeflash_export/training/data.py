@@ -67,7 +67,8 @@ def cache_argument(model) -> str:
 @torch.inference_mode()
 def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_tokens: int, batch: int,
                   progress: Callable | None = None, *, width: int | None = None, pad_id: int = 0,
-                  temperature: float = 0.0, seeds: list[int] | None = None) -> dict[str, torch.Tensor]:
+                  temperature: float = 0.0, seeds: list[int] | None = None,
+                  stops: set[int] | None = None) -> dict[str, torch.Tensor]:
     """Continuations (no EOS stop) and the tapped hidden states of every position.
 
     One pass per batch: the prompt's prefill, then one cached step per new token, keeping
@@ -80,7 +81,12 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
     rows are stored left-padded to `width` prompt columns (token pad_id, features 0) and "pad"
     holds each row's count of padding columns; without it all prompts must have one length
     (the corpus data, stored without "pad"). temperature > 0 samples, prompt i drawing from its
-    own generator seeded by seeds[i]; 0 is greedy. With no tap_ids the features are empty ([.., 0])."""
+    own generator seeded by seeds[i]; 0 is greedy. With no tap_ids the features are empty ([.., 0]).
+
+    `stops` (chat instructions and user turns, whose text ends at the first end-of-turn token): a
+    batch ends as soon as every row has written one of these tokens, and its remaining columns are
+    pad_id (features 0). Each row's tokens up to its first stop are the same as without `stops`
+    (its sampling noise comes from its own generator, one draw per step)."""
     from transformers import StaticCache
 
     lengths = [len(p) for p in prompts]
@@ -116,9 +122,21 @@ def generate_data(verifier, prompts: list[list[int]], tap_ids: list[int], new_to
                        logits_to_keep=1, cache_position=torch.arange(longest, device=dev), attention_mask=mask,
                        position_ids=pos)
         seq, feat = [ids], [taps(out, longest)]
+        ended = torch.zeros(len(rows), dtype=torch.bool)
+        stop_ids = torch.tensor(sorted(stops or ()), dtype=torch.long)
         for step, cache_pos in enumerate(range(longest, longest + new_tokens)):
             nxt = next_tokens(out.logits[:, -1], temperature, gens)
             seq.append(nxt)
+            if stops:
+                ended |= torch.isin(nxt[:, 0].cpu(), stop_ids)
+                if bool(ended.all()):  # every row's text is complete: the rest is padding
+                    rest = longest + new_tokens - cache_pos - 1
+                    seq.append(torch.full((len(rows), rest), pad_id, dtype=nxt.dtype, device=dev))
+                    feat.append(torch.zeros(len(rows), rest + 1, feat[0].shape[2], dtype=torch.float16, device=dev))
+                    done += len(ids) * (rest + 1)
+                    if progress:
+                        progress(done, total)
+                    break
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
                 pos = pos[:, -1:] + 1

@@ -20,6 +20,7 @@ import torch
 from ..fsutil import atomic_torch_save
 from . import data  # its functions through the module, so a test can count the generation calls
 from .chat import chat_fields, chat_prompts
+from .self_chat import SOURCE as SELF, self_chat_prompts, self_fields
 from .config import TrainConfig
 from .distributed import World
 from .files import load_prompts, split_heldout, tokenise
@@ -72,7 +73,8 @@ def _source_split(name: str, split: str, count: int, verifier, tok, verifier_key
     Code prompts: each split draws from its own seeded stream, so a run with more prompts than an
     earlier one generates only the new sequences (and one with fewer reuses a leading slice).
     File prompts (`from_files`, whose content hash is `source`): the first prompts of each split
-    that fit in --prompt-tokens. Chat prompts: the verifier's own instructions (chat.py).
+    that fit in --prompt-tokens. Chat prompts: the verifier's own instructions (chat.py), or the user
+    turns it writes with no seed (self_chat.py).
     File and chat prompts are stored left-padded to --prompt-tokens columns (see generate_data),
     so every continuation starts at the same column as in code data."""
     from tqdm import tqdm
@@ -84,7 +86,8 @@ def _source_split(name: str, split: str, count: int, verifier, tok, verifier_key
         stem = f"{split}-{cfg.data_key(verifier_key, split, source)}"
         count = len(from_files[split])
     else:
-        stem = f"{name}-{split}-{cfg.data_key(verifier_key, split, chat=chat_fields(name, cfg))}"
+        fields = self_fields(cfg) if name == SELF else chat_fields(name, cfg)
+        stem = f"{name}-{split}-{cfg.data_key(verifier_key, split, chat=fields)}"
         seed_split = f"{name}/{split}"
     path = work / f"{stem}-{count}.pt"
     if path.exists():
@@ -100,8 +103,12 @@ def _source_split(name: str, split: str, count: int, verifier, tok, verifier_key
     elif name == "data":
         lists = from_files[split]
     else:
-        lists = chat_prompts(verifier, tok, verifier_key, name, split, count, cfg, work, log, world=world,
-                             pad_id=pad_id).ids
+        if name == SELF:
+            lists = self_chat_prompts(verifier, tok, verifier_key, split, count, cfg, work, log, world=world,
+                                      pad_id=pad_id).ids
+        else:
+            lists = chat_prompts(verifier, tok, verifier_key, name, split, count, cfg, work, log, world=world,
+                                 pad_id=pad_id).ids
     prompts = torch.tensor([[pad_id] * (cfg.prompt_tokens - len(p)) + p for p in lists], dtype=torch.int32)
     part, cached = data.cached_rows(work, stem, prompts, log)
     have = 0 if part is None else len(part["tokens"])

