@@ -149,7 +149,7 @@ def generate(
                 runner.set_tree(tuner.next_tree())
             gained = runner.round()
             if tuner is not None:
-                tuner.after_round(runner)
+                tuner.after_round(runner, gained=len(gained))
             stats.rounds += 1
             stats.accept_lengths.append(len(gained))
             done = out.emit(gained)

@@ -284,6 +284,54 @@ class AcceptanceModel:
             return None
         return 1.0 + float(stats @ self._coef(fam, stream))
 
+    # ---- persistence ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """The learnt state (calibration counts, chain rates, expectation curves) as plain JSON."""
+        arr = lambda a: np.asarray(a).tolist()  # noqa: E731
+        return {"bins": arr(BIN_EDGES), "sizes": arr(self.sizes), "combos": {f: [list(c) for c in cs]
+                                                                           for f, cs in self.combos.items()},
+                "ema": self.ema, "rounds": self.rounds,
+                "calibrators": {f: {"acc": arr(c.acc), "seen": arr(c.seen)} for f, c in self.calibrators.items()},
+                "chain": {"reached": {str(d): v for d, v in self.chain.reached.items()},
+                          "acc": {str(d): v for d, v in self.chain.acc.items()},
+                          "step_p": {str(d): list(v) for d, v in self.chain.step_p.items()}},
+                "curves": {f: {"full": arr(self.full[f]), "full_w": arr(self.full_w[f]),
+                               "partial": arr(self.partial[f]), "partial_w": arr(self.partial_w[f])}
+                           for f in self.combos}}
+
+    def load_json(self, d: dict, max_seen: float = 256.0) -> None:
+        """Takes a state saved by `to_json` from a model with the same bins, sizes and (M, K) points
+        (ValueError otherwise, the model unchanged). Calibration counts are scaled down to at most
+        ``max_seen`` nodes per bin, so what the new rounds show soon outweighs the old traffic."""
+        same = (d["bins"] == BIN_EDGES.tolist() and d["sizes"] == self.sizes.tolist()
+                and d["combos"] == {f: [list(c) for c in cs] for f, cs in self.combos.items()})
+        if not same:
+            raise ValueError("saved for other bins, tree sizes or (M, K) points")
+        shaped = {}
+        for f in self.combos:
+            c = d["curves"][f]
+            shaped[f] = {k: np.asarray(c[k], dtype=float) for k in ("full", "full_w", "partial", "partial_w")}
+            if shaped[f]["full"].shape != self.full[f].shape or shaped[f]["full_w"].shape != self.full_w[f].shape:
+                raise ValueError(f"curves of family {f} have another shape")
+        cals = {}
+        for f in self.calibrators:
+            acc, seen = (np.asarray(d["calibrators"][f][k], dtype=float) for k in ("acc", "seen"))
+            if acc.shape != (NBINS,) or seen.shape != (NBINS,) or (acc < 0).any() or (acc > seen + 1e-9).any():
+                raise ValueError(f"calibration counts of family {f} are malformed")
+            scale = np.minimum(1.0, max_seen / np.maximum(seen, 1e-9))
+            cals[f] = (acc * scale, seen * scale)
+        ch = d["chain"]
+        chain = ({int(k): float(v) for k, v in ch["reached"].items()}, {int(k): float(v) for k, v in ch["acc"].items()},
+                 {int(k): (float(v[0]), float(v[1])) for k, v in ch["step_p"].items()})
+        for f, (acc, seen) in cals.items():  # nothing is changed before everything has been read
+            self.calibrators[f].acc, self.calibrators[f].seen = acc, seen
+        for f, c in shaped.items():
+            self.full[f], self.full_w[f], self.partial[f], self.partial_w[f] = (
+                c["full"], c["full_w"], c["partial"], c["partial_w"])
+        self.chain.reached, self.chain.acc, self.chain.step_p = chain
+        self.rounds = int(d.get("rounds", 0))
+        self._coef_memo.clear()
+
     def observed(self, s: Setting) -> bool:
         """Whether some round held the whole of setting s's tree (its prediction is not a lower bound)."""
         if s.mode in ("ar", "chain"):

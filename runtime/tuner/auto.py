@@ -1,13 +1,26 @@
 """The tuner the runner asks each round: which setting to run, and what the round showed.
 
 It ties the three parts together and adds exploration, because the acceptance model can only
-predict a setting from a round whose tree held that setting's nodes: for each family of
-candidates (TreeFlash, marginal, chain) it first runs one round at the family's probe setting, the
-largest N, M and K among the family's candidates that could pay at all (a round gains at most
-min(N, B) tokens, so a setting dearer than that many plain steps never can); best-first trees are
-prefix-closed, so that one tree predicts every smaller candidate of its family. After that it runs
-the choice, and every `explore_every` rounds one probe round again (families in turn) so the
-estimates of larger settings than the chosen one stay fresh.
+predict a setting from a round whose tree held that setting's nodes (best-first trees are
+prefix-closed, so a round predicts every smaller N, M and K of its family). Exploration is paid in
+rounds that may be slower than the best known one, so it is kept cheap and stops once it cannot pay:
+
+- seed: a family nothing has informed yet runs one round at its seed setting, the candidate with
+  the best prior rate, prior tokens / predicted round ms, where the prior gains PRIOR_GAIN tokens
+  per doubling of N (and a quarter of that per doubling of M), at the largest K (K barely changes
+  a round's cost and the round then informs every smaller K). On a GPU at batch 1, where a large
+  tree costs little more than a plain step, that is a large tree; on a small CPU a small one.
+- growing: after each choice, the neighbours one step up (2N, 2M, 2K) that no round has fully
+  observed get an optimistic estimate, the chosen point's tokens plus the larger of the last
+  step's measured gain and the prior's gain (the expected tokens are concave in each field); a
+  neighbour whose optimistic rate beats the choice by the hysteresis runs once. Once observed it
+  is known, so growth stops where the gains stop paying.
+- refreshing: every `explore_every` rounds of a bucket the best setting of another family (or,
+  while plain decoding is chosen, the best tree) runs once, so estimates of what is not being run
+  stay current; the interval doubles (up to `max_explore_every`) while refreshing changes nothing.
+- settling: after `settle_after` choices in a bucket, TreeFlash's M and K stay at those chosen
+  most, and only N (and the mode) is chosen per round: few settings per bucket (on a GPU each is
+  a captured graph). A refresh round lets them move again.
 
     tuner = AutoTuner(cost, AcceptanceModel(), candidates, block_size=16)
     s = tuner.setting(bucket)            # the Setting to run this round
@@ -16,6 +29,9 @@ estimates of larger settings than the chosen one stay fresh.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 from treeflash_export.errors import ConfigError
 
 from .acceptance import AcceptanceModel, Observation, RequestStream
@@ -23,51 +39,169 @@ from .cost import CostModel
 from .policy import Choice, can_pay, choose
 from .setting import PLAIN, Setting
 
+PRIOR_GAIN = 0.75  # tokens gained per doubling of the tree before any round says otherwise
+FAMILIES = ("treeflash", "marginal", "chain")
+
 
 class AutoTuner:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, candidates: list[Setting], block_size: int,
-                 hysteresis: float = 0.03, explore_every: int = 64, plain: bool = True):
+                 hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
+                 max_explore_every: int = 512):
         self.cost, self.acceptance, self.block_size = cost, acceptance, block_size
         self.candidates = list(candidates)
-        self.hysteresis, self.explore_every, self.plain = hysteresis, explore_every, plain
+        self.hysteresis, self.plain = hysteresis, plain
+        self.explore_every, self.max_explore_every, self.settle_after = explore_every, max_explore_every, settle_after
         self.current: dict[int, Setting] = {}
         self.choices: dict[int, Choice] = {}
         self.rounds = 0
+        self.explored: Counter = Counter()  # why exploration rounds ran: seed, grow, refresh
+        self._gap: dict[int, int] = {}  # bucket -> rounds between refreshes
+        self._since: Counter = Counter()  # bucket -> rounds since the last refresh
+        self._refreshed: dict[int, Setting] = {}  # bucket -> the choice when a refresh ran
         self._next_family = 0
+        self._picked: dict[int, Counter] = {}  # bucket -> (M, K) of TreeFlash choices so far
+        self.settled: dict[int, tuple[int, int]] = {}  # bucket -> TreeFlash's (M, K)
 
+    # ------------------------------------------------------------------ what to explore
     def families(self) -> list[str]:
-        return [m for m in ("treeflash", "marginal", "chain") if any(s.mode == m for s in self.candidates)]
+        return [m for m in FAMILIES if any(s.mode == m for s in self.candidates)]
 
-    def probe_setting(self, family: str, bucket: int) -> Setting | None:
-        """The family's largest candidate shape that could pay (None: none can)."""
+    def prior_tokens(self, s: Setting) -> float:
+        if s.mode == "ar":
+            return 1.0
+        gain = PRIOR_GAIN * math.log2(max(s.tree_size, 1))
+        if s.mode == "treeflash":
+            gain += PRIOR_GAIN / 4 * math.log2(max(s.top_m, 1))
+        return min(1.0 + gain, float(min(s.tree_size, self.block_size)))
+
+    def seed_setting(self, family: str, bucket: int) -> Setting | None:
+        """The family's first round: the candidate with the best prior rate among those at the family's
+        largest K that could pay at all (None: none can)."""
         fam = [s for s in self.candidates if s.mode == family and can_pay(self.cost, s, bucket, self.block_size)]
         if not fam:
             return None
-        return Setting(family, max(s.tree_size for s in fam), max(s.top_m for s in fam), max(s.top_k for s in fam))
+        k = max(s.top_k for s in fam)
+        return max((s for s in fam if s.top_k == k),
+                   key=lambda s: (self.prior_tokens(s) / max(self.cost.round_ms(s, bucket), 1e-9), -s.tree_size))
 
-    def _unexplored(self) -> list[str]:
-        return [f for f in self.families() if not any(
-            self.acceptance.expected(s, None, self.block_size) is not None for s in self.candidates if s.mode == f)]
+    def _known(self, family: str) -> bool:
+        return any(self.acceptance.expected(s, None, self.block_size) is not None
+                   for s in self.candidates if s.mode == family)
+
+    def _rate(self, s: Setting, tokens: float, bucket: int) -> float:
+        return tokens / max(self.cost.round_ms(s, bucket), 1e-9)
+
+    def _up(self, s: Setting) -> list[Setting]:
+        """s's candidates one step up in each field (same mode), the next larger value present."""
+        cands = set(self.candidates)
+        out = []
+        for i, field in ((1, "tree_size"), (2, "top_m"), (3, "top_k")):
+            larger = sorted({c[i] for c in cands if c.mode == s.mode and c[i] > s[i]
+                             and all(c[j] == s[j] for j in (1, 2, 3) if j != i)})
+            if larger:
+                out.append(s._replace(**{field: larger[0]}))
+        return out
+
+    def _down(self, s: Setting, up: Setting) -> Setting | None:
+        """The point as far below s as `up` is above it, in the field they differ in (when a candidate)."""
+        i = next(j for j in (1, 2, 3) if s[j] != up[j])
+        below = sorted({c[i] for c in self.candidates if c.mode == s.mode and c[i] < s[i]
+                        and all(c[j] == s[j] for j in (1, 2, 3) if j != i)})
+        return s._replace(**{s._fields[i]: below[-1]}) if below else None
+
+    def grow_setting(self, choice: Choice, bucket: int) -> Setting | None:
+        """A neighbour one step above the choice that no round has fully observed and whose optimistic
+        rate beats the choice's by the hysteresis (the most promising one), else None."""
+        s = choice.setting
+        if s.mode not in ("treeflash", "marginal"):
+            return None
+        best, best_rate = None, self._rate(s, choice.tokens_per_round, bucket) * (1.0 + self.hysteresis)
+        settled = self.settled.get(bucket)
+        for up in self._up(s):
+            if self.acceptance.observed(up) or (settled and up.mode == "treeflash"
+                                                and (up.top_m, up.top_k) != settled):
+                continue
+            down = self._down(s, up)
+            measured = choice.tokens_per_round - (self.acceptance.expected(down, None, self.block_size) or 0.0) \
+                if down is not None and self.acceptance.observed(down) else 0.0
+            prior = self.prior_tokens(up) - self.prior_tokens(s)
+            optimistic = min(choice.tokens_per_round + max(measured, prior), float(min(up.tree_size, self.block_size)))
+            rate = self._rate(up, optimistic, bucket)
+            if rate > best_rate and can_pay(self.cost, up, bucket, self.block_size):
+                best, best_rate = up, rate
+        return best
+
+    # ------------------------------------------------------------------ the round's setting
+    def _candidates(self, bucket: int) -> list[Setting]:
+        settled = self.settled.get(bucket)
+        if settled is None:
+            return self.candidates
+        return [s for s in self.candidates if s.mode != "treeflash" or (s.top_m, s.top_k) == settled]
+
+    def _choose(self, bucket: int, stream: RequestStream | None) -> Choice | None:
+        try:
+            return choose(self.cost, self.acceptance, bucket, self._candidates(bucket), self.current.get(bucket),
+                          self.hysteresis, stream, self.block_size, self.plain)
+        except ConfigError:  # nothing predictable yet
+            return None
+
+    def _refresh_setting(self, bucket: int, current: Setting | None) -> Setting | None:
+        """The setting a refresh round runs: the best-predicted setting of the next family in turn
+        other than the current one (any family while plain decoding runs), over all M and K."""
+        fams = [f for f in self.families() if current is None or f != current.mode]
+        for _ in range(len(fams)):
+            f = fams[self._next_family % len(fams)]
+            self._next_family += 1
+            cands = [s for s in self.candidates if s.mode == f and can_pay(self.cost, s, bucket, self.block_size)]
+            try:
+                return choose(self.cost, self.acceptance, bucket, cands, None, 0.0, None, self.block_size,
+                              plain=False).setting
+            except ConfigError:
+                continue
+        return None
 
     def setting(self, bucket: int = 1, stream: RequestStream | None = None) -> Setting:
         """The setting to run next at this batch bucket."""
-        families = self._unexplored()
-        if not families and self.explore_every and self.rounds and self.rounds % self.explore_every == 0:
-            fams = self.families()
-            families = [fams[self._next_family % len(fams)]] if fams else []
-            self._next_family += 1
-        for f in families:
-            probe = self.probe_setting(f, bucket)
-            if probe is not None:
-                return probe
-        try:
-            choice = choose(self.cost, self.acceptance, bucket, self.candidates, self.current.get(bucket),
-                            self.hysteresis, stream, self.block_size, self.plain)
-        except ConfigError:  # nothing predictable and nothing to explore that could pay
+        for f in self.families():
+            if not self._known(f):
+                seed = self.seed_setting(f, bucket)
+                if seed is not None:
+                    self.explored["seed"] += 1
+                    return seed
+        choice = self._choose(bucket, stream)
+        if choice is None:
             return PLAIN if self.plain else self.candidates[0]
+        previous = self._refreshed.pop(bucket, None)
+        if previous is not None:  # the round after a refresh: did it change the choice?
+            gap = self._gap.get(bucket, self.explore_every)
+            self._gap[bucket] = self.explore_every if choice.setting != previous else min(2 * gap,
+                                                                                           self.max_explore_every)
         self.choices[bucket] = choice
         self.current[bucket] = choice.setting
+        self._settle(bucket, choice.setting)
+        self._since[bucket] += 1
+        if self.explore_every and self._since[bucket] >= self._gap.get(bucket, self.explore_every):
+            self._since[bucket] = 0
+            refresh = self._refresh_setting(bucket, choice.setting)
+            if refresh is not None:
+                self.explored["refresh"] += 1
+                self._refreshed[bucket] = choice.setting
+                self.settled.pop(bucket, None)
+                self._picked.pop(bucket, None)
+                return refresh
+        grow = self.grow_setting(choice, bucket)
+        if grow is not None:
+            self.explored["grow"] += 1
+            return grow
         return choice.setting
+
+    def _settle(self, bucket: int, s: Setting) -> None:
+        if s.mode != "treeflash" or bucket in self.settled or not self.settle_after:
+            return
+        picked = self._picked.setdefault(bucket, Counter())
+        picked[(s.top_m, s.top_k)] += 1
+        if sum(picked.values()) >= self.settle_after:
+            self.settled[bucket] = picked.most_common(1)[0][0]
 
     def observe(self, obs: Observation | None, stream: RequestStream | None = None) -> None:
         """After a round: its observation (None for a plain decoding round, which teaches nothing)."""
@@ -76,5 +210,8 @@ class AutoTuner:
             self.acceptance.observe(obs, stream)
 
     def report(self) -> dict:
-        """For --json: the latest choice per bucket and the rounds seen."""
-        return {"rounds": self.rounds, "choices": {str(b): c.to_json() for b, c in sorted(self.choices.items())}}
+        """For --json: the latest choice per bucket, the rounds seen, exploration rounds by reason and
+        TreeFlash's settled (M, K) per bucket."""
+        return {"rounds": self.rounds, "choices": {str(b): c.to_json() for b, c in sorted(self.choices.items())},
+                "exploration_rounds": dict(self.explored),
+                "settled_top_m_top_k": {str(b): list(mk) for b, mk in sorted(self.settled.items())}}

@@ -69,33 +69,11 @@ class CostCache:
 
     def load(self, key: CostKey, log: Callable[[str], None] | None = None) -> CostModel | None:
         """The cached model for `key`, or None when absent, unreadable or made for another key."""
-        path = self.path(key)
-        try:
-            data = json.loads(path.read_text())
-            if data.get("format") != FORMAT or data.get("key") != key.as_dict():
-                raise ValueError("made for another key or format")
-            return CostModel.from_json(data["costs"])
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            # JSON errors are ValueErrors; wrong types surface as Key/Type/AttributeErrors.
-            if log:
-                log(f"tuning: ignoring the cost cache {path.name} ({type(exc).__name__}: {exc}); measuring again")
-            return None
+        return read_keyed(self.path(key), key.as_dict(), lambda d: CostModel.from_json(d["costs"]),
+                          "cost cache", log, "measuring again")
 
     def save(self, key: CostKey, model: CostModel) -> Path:
-        path = self.path(key)
-        self.root.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"format": FORMAT, "key": key.as_dict(), "costs": model.to_json()}, indent=1, sort_keys=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(body)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_keyed(self.path(key), key.as_dict(), {"costs": model.to_json()})
 
     def get_or_measure(self, key: CostKey, buckets: list[int], measure_buckets: Callable[[list[int]], CostModel],
                        retune: bool = False, log: Callable[[str], None] | None = None) -> CostModel:
@@ -109,6 +87,61 @@ class CostCache:
         model = fresh if have is None else have.merged(fresh)
         self.save(key, model)
         return model
+
+
+def read_keyed(path: Path, key: dict, parse: Callable[[dict], object], what: str,
+               log: Callable[[str], None] | None = None, then: str = "starting afresh"):
+    """parse(file's JSON) when the file exists and was written for `key` in this FORMAT; None when it
+    is absent; None with a log line when it is unreadable, malformed or made for another key."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT or data.get("key") != key:
+            raise ValueError("made for another key or format")
+        return parse(data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        # JSON errors are ValueErrors; wrong types surface as Key/Type/AttributeErrors.
+        if log:
+            log(f"tuning: ignoring the {what} {path.name} ({type(exc).__name__}: {exc}); {then}")
+        return None
+
+
+def write_keyed(path: Path, key: dict, payload: dict) -> Path:
+    """Writes {format, key, **payload} to `path` atomically (temp file + os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"format": FORMAT, "key": key, **payload}, indent=1, sort_keys=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+class AcceptanceStore:
+    """The acceptance model learnt by earlier generations, one JSON file per pair and tree scoring
+    under `root` (<cache>/acceptance): a new process starts calibrated instead of exploring again.
+    key: what acceptance depends on: the pair's content (not only its shapes: a retrained drafter
+    accepts differently), the block size and the drafter temperature that scores the trees."""
+
+    def __init__(self, root: Path | str | None = None):
+        self.root = Path(root) if root is not None else default_cache_dir().parent / "acceptance"
+
+    def path(self, key: dict) -> Path:
+        blob = json.dumps({"format": FORMAT, **key}, sort_keys=True)
+        return self.root / f"acceptance-{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
+
+    def load_into(self, key: dict, model, log: Callable[[str], None] | None = None) -> bool:
+        """Loads the saved state into `model` (an AcceptanceModel); False when there is none usable."""
+        return bool(read_keyed(self.path(key), key, lambda d: model.load_json(d["acceptance"]) or True,
+                               "saved acceptance model", log))
+
+    def save(self, key: dict, model) -> Path:
+        return write_keyed(self.path(key), key, {"acceptance": model.to_json()})
 
 
 def _safetensors_header(path: Path) -> bytes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from treeflash_export.config import TreeConfig
 
 from .acceptance import AcceptanceModel, Observation
 from .auto import AutoTuner
-from .cache import CostCache, CostKey, pair_fingerprint
+from .cache import AcceptanceStore, CostCache, CostKey, pair_fingerprint
 from .cost import CostModel, default_grid, measure
 from .setting import FIELDS, Setting, candidate_settings
 
@@ -49,6 +50,20 @@ def cost_key(runner, sources, dtype: str) -> CostKey:
                    options=f"graphs={runner.use_graphs} kernels={runner.fast_kernels} compiled={runner.compiled}")
 
 
+def acceptance_key(runner, sources, drafter_temperature: float) -> dict | None:
+    """What a learnt acceptance model depends on: the pair's content, B and the drafter temperature
+    (None when the pair has no folders to name it by, e.g. a pair built in memory)."""
+    from treeflash_export.checkpoints import checkpoint_fingerprint
+
+    from treeflash_export import __version__
+
+    folders = [s for s in sources if isinstance(s, (str, Path)) and Path(s).is_dir()]
+    if len(folders) < 2:
+        return None
+    return {"pair": [checkpoint_fingerprint(Path(f)) for f in folders], "block_size": runner.block_size,
+            "drafter_temperature": float(drafter_temperature), "version": __version__}
+
+
 def measure_runner(runner, buckets: list[int], log=None) -> CostModel:
     """Times the default grid's parts on the runner, bucket by bucket."""
     grid = default_grid(runner_modes(runner), runner.block_size, MAX_TREE)
@@ -63,18 +78,25 @@ class TreeTuner:
     """Per round, the tree to run (an AutoTuner's choice among the candidates) and the observation of
     the round that ran; ``used`` counts the settings run, ``report`` is for --json."""
 
-    def __init__(self, auto: AutoTuner, drafter_temperature: float = 1.0):
+    def __init__(self, auto: AutoTuner, drafter_temperature: float = 1.0, store: AcceptanceStore | None = None,
+                 store_key: dict | None = None, log=None):
         self.auto = auto
+        self.store, self.store_key, self.log = store, store_key, log
+        self.resumed = False  # whether the acceptance model was read from an earlier run
         self.max_tree_size = max(s.tree_size for s in auto.candidates)  # what the caches must leave room for
         self.drafter_temperature = drafter_temperature
         self.current: Setting | None = None
         self.used: Counter = Counter()
+        self.tokens: Counter = Counter()  # tokens gained per setting label
 
     @classmethod
     def for_runner(cls, runner, fixed: dict, *, sources, dtype: str, retune: bool = False, log=None,
-                   cache: CostCache | None = None, drafter_temperature: float = 1.0) -> "TreeTuner":
+                   cache: CostCache | None = None, drafter_temperature: float = 1.0,
+                   store: AcceptanceStore | None | bool = True) -> "TreeTuner":
         """fixed: the settings the user gave (field -> value); the others are chosen. The cost model is
-        measured on first use for this pair, device, dtype and backend, then read from the cache."""
+        measured on first use for this pair, device, dtype and backend, then read from the cache. The
+        acceptance model starts from what earlier generations with this pair learnt (``store``; False:
+        start afresh and keep nothing) and is saved after each generation."""
         fixed = {k: v for k, v in fixed.items() if k in FIELDS and v is not None}
         modes = runner_modes(runner)
         candidates = candidate_settings(modes, runner.block_size, MAX_TREE, fixed=fixed)
@@ -85,9 +107,28 @@ class TreeTuner:
         plain = fixed.get("mode") in (None, "ar")
         # A wider hysteresis than the policy's default: a new setting must promise 10% more (on a GPU each
         # new setting is a graph capture).
-        auto = AutoTuner(cost, AcceptanceModel(), [s for s in candidates if s.mode != "ar"] or candidates,
+        acceptance = AcceptanceModel()
+        auto = AutoTuner(cost, acceptance, [s for s in candidates if s.mode != "ar"] or candidates,
                          runner.block_size, hysteresis=0.1, plain=plain)
-        return cls(auto, drafter_temperature)
+        if store is True:
+            store = AcceptanceStore(cache.root.parent / "acceptance") if cache is not None else AcceptanceStore()
+        skey = acceptance_key(runner, sources, drafter_temperature) if store else None
+        tuner = cls(auto, drafter_temperature, store or None, skey, log)
+        if skey is not None and not retune:
+            tuner.resumed = store.load_into(skey, acceptance, log)
+            if tuner.resumed and log:
+                log(f"tuning: acceptance model from {acceptance.rounds} earlier rounds with this pair")
+        return tuner
+
+    def save(self) -> None:
+        """Keeps what this deployment learnt for the next process (atomic; a failure only logs)."""
+        if self.store is None or self.store_key is None:
+            return
+        try:
+            self.store.save(self.store_key, self.auto.acceptance)
+        except OSError as exc:
+            if self.log:
+                self.log(f"tuning: could not save the acceptance model ({exc})")
 
     @contextlib.contextmanager
     def driving(self, runner):
@@ -98,6 +139,7 @@ class TreeTuner:
             yield
         finally:
             runner.observing = runner.keep_context = False
+            self.save()
 
     def next_tree(self, bucket: int = 1) -> TreeConfig:
         s = self.auto.setting(bucket)
@@ -106,9 +148,12 @@ class TreeTuner:
         return TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k,
                           drafter_temperature=self.drafter_temperature)
 
-    def after_round(self, runner, slot: int = 0) -> None:
-        """Feeds the round that just ran (the runner's report of its nodes) to the acceptance model."""
+    def after_round(self, runner, slot: int = 0, gained: int | None = None) -> None:
+        """Feeds the round that just ran (the runner's report of its nodes) to the acceptance model;
+        gained: the tokens it gave (for the report of realised tokens per setting)."""
         s = self.current
+        if s is not None and gained is not None:
+            self.tokens[s.label()] += gained
         raw = None if s is None or s.mode == "ar" else runner.observation(slot, self._tree(s))
         self.auto.observe(None if raw is None else observation(s, raw))
 
@@ -118,7 +163,9 @@ class TreeTuner:
     def report(self) -> dict:
         rep = self.auto.report()
         rep["settings_used"] = dict(self.used)
+        rep["realised_tokens_per_round"] = {k: self.tokens[k] / n for k, n in self.used.items() if k in self.tokens}
         rep["cost_ms"] = {str(b): c.to_json() for b, c in self.auto.cost.buckets.items()}
+        rep["resumed_acceptance"] = self.resumed
         return rep
 
 

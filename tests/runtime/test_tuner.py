@@ -380,7 +380,7 @@ def test_plain_decoding_when_drafting_cannot_pay():
     # Even the least costly tree is predicted slower, so the tuner never explores with one either.
     tuner = AutoTuner(CostModel({1: BucketCosts(ar=10, draft=100, verify={4: 100}, expand={(1, 16): 100, "chain": 100},
                                                 tree={4: 1}, other=1)}), AcceptanceModel(), ALL, B)
-    assert tuner.setting(1) == PLAIN and tuner.probe_setting("treeflash", 1) is None
+    assert tuner.setting(1) == PLAIN and tuner.seed_setting("treeflash", 1) is None
 
 
 def test_a_large_tree_when_verification_is_cheap_and_acceptance_high():
@@ -436,22 +436,124 @@ def test_parse_auto_rejects(value, field):
         parse_auto(value, field)
 
 
-def test_auto_tuner_explores_once_then_chooses():
+def run_rounds(tuner, rng, rounds, alpha=1.0, bucket=1):
+    picked = []
+    for _ in range(rounds):
+        s = tuner.setting(bucket)
+        picked.append(s)
+        if s.mode != "ar":
+            obs, _ = synthetic_round(rng, s.tree_size, s.top_k, alpha)
+            tuner.observe(obs)
+        else:
+            tuner.observe(None)
+    return picked
+
+
+def test_the_seed_is_large_where_trees_are_cheap_and_small_where_they_are_dear():
+    cands = candidate_settings(("ar", "treeflash"), B, fixed={"top_m": 1})
+    gpu = AutoTuner(cheap_verify_cost(), AcceptanceModel(top_ms=(1,)), cands, B).seed_setting("treeflash", 1)
+    assert gpu == Setting("treeflash", 64, 1, 16)
+    # CPU-like: a round costs a few plain steps and grows with N; the seed is the smallest tree worth a round.
+    cpu_cost = CostModel({1: BucketCosts(ar=10, draft=2, verify={4: 14, 16: 40, 64: 120}, expand={(1, 16): 6},
+                                         tree={4: 0.5, 64: 1}, other=1)})
+    cpu = AutoTuner(cpu_cost, AcceptanceModel(top_ms=(1,)), cands, B).seed_setting("treeflash", 1)
+    assert cpu.tree_size in (4, 8) and cpu.top_k == 16 and can_pay(cpu_cost, cpu, 1, B)
+
+
+def test_the_tuner_grows_from_a_small_seed_only_while_growing_pays():
+    """A process where big trees pay (cheap verification, confident drafter): from a seed at N = 8 the
+    tuner grows one step at a time to larger trees, each once, and then runs the best; where big
+    trees cost much more (a CPU-like bucket), it stops growing early."""
     rng = np.random.default_rng(4)
     cands = candidate_settings(("ar", "treeflash"), B, fixed={"top_m": 1}, top_ks=(4, 8))
-    tuner = AutoTuner(cheap_verify_cost(), AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=10)
-    first = tuner.setting(1)
-    assert first == Setting("treeflash", 64, 1, 8)  # the probe: the largest of every field
-    obs, _ = synthetic_round(rng, first.tree_size, first.top_k, 1.0)
-    tuner.observe(obs)
-    picked = []
-    for _ in range(12):
-        s = tuner.setting(1)
-        picked.append(s)
-        obs, _ = synthetic_round(rng, s.tree_size, s.top_k, 1.0)
-        tuner.observe(obs)
-    assert picked[9] == first  # round 10: one probe round again
-    assert all(s.mode == "treeflash" for s in picked)
-    report = tuner.report()
-    assert report["rounds"] == 13 and report["choices"]["1"]["predicted_tokens_per_round"] > 1
-    assert can_pay(cheap_verify_cost(), first, 1, B)
+    cost = CostModel({1: BucketCosts(ar=10, draft=1, verify={4: 10, 8: 10.2, 16: 10.5, 64: 12},
+                                     expand={(1, 8): 0.3}, tree={4: 0.1, 64: 0.3}, other=0.5)})
+    tuner = AutoTuner(cost, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=0)
+    tuner.seed_setting = lambda family, bucket: Setting("treeflash", 8, 1, 8)  # start small on purpose
+    picked = run_rounds(tuner, rng, 40, alpha=1.0)
+    assert picked[0] == Setting("treeflash", 8, 1, 8)
+    sizes = [s.tree_size for s in picked]
+    assert max(sizes) == 64 and tuner.explored["grow"] <= 3, sizes  # 16, 32, 64: each once
+    assert sizes[-1] >= 16 and len(set(sizes[-5:])) == 1, sizes  # then one larger tree, the best predicted
+    best = choose(cost, tuner.acceptance, 1, cands, None, 0.0, None, B).setting
+    assert tuner.choices[1].setting == best or tuner.choices[1].kept
+    dear = CostModel({1: BucketCosts(ar=10, draft=2, verify={4: 14, 8: 18, 16: 26, 64: 80}, expand={(1, 8): 6},
+                                     tree={4: 0.5, 64: 1}, other=1)})
+    tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=0)
+    picked = run_rounds(tuner, rng, 40, alpha=1.5)
+    assert max(s.tree_size for s in picked) <= 16 and tuner.explored["grow"] <= 2, picked
+
+
+def test_refreshes_back_off_while_they_change_nothing():
+    """Plain decoding wins (dear trees): a tree round runs every `explore_every` rounds at first, then
+    ever more rarely while the choice stays plain."""
+    rng = np.random.default_rng(5)
+    cands = candidate_settings(("ar", "treeflash"), B, fixed={"top_m": 1}, top_ks=(4, 8))
+    dear = CostModel({1: BucketCosts(ar=10, draft=5, verify={4: 14, 64: 80}, expand={(1, 8): 8}, tree={4: 1, 64: 2},
+                                     other=1)})
+    tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8,
+                      max_explore_every=64)
+    picked = run_rounds(tuner, rng, 300, alpha=3.0)  # a drafter far less right than it thinks
+    trees = [i for i, s in enumerate(picked) if s.mode != "ar"]
+    assert picked[-1] == PLAIN and 3 <= len(trees) <= 12, trees
+    gaps = np.diff(trees[1:])
+    assert gaps[-1] > gaps[0] and gaps[-1] >= 32, gaps
+
+
+def test_m_and_k_settle_and_then_only_n_moves():
+    rng = np.random.default_rng(6)
+    cands = candidate_settings(("ar", "treeflash"), B, top_ms=(1, 2), top_ks=(4, 8))
+    tuner = AutoTuner(cheap_verify_cost(), AcceptanceModel(top_ms=(1, 2), top_ks=(4, 8)), cands, B,
+                      explore_every=0, settle_after=5)
+    picked = run_rounds(tuner, rng, 30)
+    assert 1 in tuner.settled and tuner.report()["settled_top_m_top_k"]["1"] == list(tuner.settled[1])
+    after = [s for s in picked[12:] if s.mode == "treeflash"]
+    assert after and {(s.top_m, s.top_k) for s in after} == {tuner.settled[1]}
+
+
+def test_acceptance_model_round_trips_through_json_and_rejects_other_shapes():
+    rng = np.random.default_rng(7)
+    model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    for _ in range(30):
+        model.observe(synthetic_round(rng, 32, 8, 1.3)[0])
+        model.observe(Observation("chain", np.cumsum(np.log(rng.uniform(0.3, 1, B - 1))),
+                                  np.arange(B - 1) < rng.integers(0, 5)))
+    state = json.loads(json.dumps(model.to_json()))
+    again = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    again.load_json(state, max_seen=1e9)
+    for s in [Setting("treeflash", n, 1, k) for n in SIZES for k in (4, 8)] + [Setting("chain", B, 1, 1)]:
+        assert again.expected(s, None, B) == pytest.approx(model.expected(s, None, B))
+    # Counts are capped on load, so new traffic soon outweighs the old.
+    capped = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    capped.load_json(state, max_seen=8)
+    assert capped.calibrators["treeflash"].seen.max() <= 8 + 1e-9
+    assert model.calibrators["treeflash"].seen.max() > 8
+    other = AcceptanceModel(sizes=(4, 8), top_ms=(1,), top_ks=(4, 8))
+    before = other.to_json()
+    with pytest.raises(ValueError):
+        other.load_json(state)
+    assert other.to_json() == before
+    bad = json.loads(json.dumps(state))
+    bad["calibrators"]["marginal"]["acc"][0] = 5.0  # more accepted than seen
+    fresh = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    with pytest.raises(ValueError):
+        fresh.load_json(bad)
+    assert fresh.to_json() == AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8)).to_json()
+
+
+def test_acceptance_store_is_keyed_and_survives_damage(tmp_path):
+    from treeflash_runtime.tuner.cache import AcceptanceStore
+
+    rng = np.random.default_rng(8)
+    model = AcceptanceModel()
+    model.observe(synthetic_round(rng, 32, 8, 1.0)[0])
+    store, k = AcceptanceStore(tmp_path), {"pair": ["a", "b"], "block_size": 16}
+    store.save(k, model)
+    loaded = AcceptanceModel()
+    assert store.load_into(k, loaded)
+    assert loaded.expected(Setting("treeflash", 16, 1, 8), None, B) == pytest.approx(
+        model.expected(Setting("treeflash", 16, 1, 8), None, B))
+    assert not store.load_into({**k, "block_size": 8}, AcceptanceModel())
+    store.path(k).write_text("{truncated")
+    notes = []
+    assert not store.load_into(k, AcceptanceModel(), notes.append) and "starting afresh" in notes[0]
