@@ -18,6 +18,8 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
 - refreshing: every `explore_every` rounds of a bucket the best setting of another family (or,
   while plain decoding is chosen, the best tree) runs once, so estimates of what is not being run
   stay current; the interval doubles (up to `max_explore_every`) while refreshing changes nothing.
+- margin: a tree is chosen over plain decoding only when predicted `margin` faster (5%): the
+  predictions err, and the promise is never to be slower than plain decoding.
 - settling: after `settle_after` choices in a bucket, TreeFlash's M and K stay at those chosen
   most, and only N (and the mode) is chosen per round: few settings per bucket (on a GPU each is
   a captured graph). A refresh round lets them move again.
@@ -46,10 +48,10 @@ FAMILIES = ("treeflash", "marginal", "chain")
 class AutoTuner:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, candidates: list[Setting], block_size: int,
                  hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
-                 max_explore_every: int = 512):
+                 max_explore_every: int = 512, margin: float = 0.05):
         self.cost, self.acceptance, self.block_size = cost, acceptance, block_size
         self.candidates = list(candidates)
-        self.hysteresis, self.plain = hysteresis, plain
+        self.hysteresis, self.plain, self.margin = hysteresis, plain, margin
         self.explore_every, self.max_explore_every, self.settle_after = explore_every, max_explore_every, settle_after
         self.current: dict[int, Setting] = {}
         self.choices: dict[int, Choice] = {}
@@ -141,7 +143,7 @@ class AutoTuner:
     def _choose(self, bucket: int, stream: RequestStream | None) -> Choice | None:
         try:
             return choose(self.cost, self.acceptance, bucket, self._candidates(bucket), self.current.get(bucket),
-                          self.hysteresis, stream, self.block_size, self.plain)
+                          self.hysteresis, stream, self.block_size, self.plain, self.margin)
         except ConfigError:  # nothing predictable yet
             return None
 

@@ -135,6 +135,8 @@ class TreeTuner:
         """While a tuned generation runs: its rounds report their nodes, and plain decoding rounds keep
         the drafter's context current (work a fixed setting on the same runner never pays)."""
         runner.observing = runner.keep_context = True
+        self.used.clear()  # the report is per generation; what was learnt stays
+        self.tokens.clear()
         try:
             yield
         finally:

@@ -557,3 +557,12 @@ def test_acceptance_store_is_keyed_and_survives_damage(tmp_path):
     store.path(k).write_text("{truncated")
     notes = []
     assert not store.load_into(k, AcceptanceModel(), notes.append) and "starting afresh" in notes[0]
+
+
+def test_a_tree_must_beat_plain_decoding_by_the_margin():
+    cost = CostModel({1: BucketCosts(ar=10, draft=0, verify={4: 20}, expand={(1, 16): 0}, tree={4: 0}, other=0)})
+    cands = [Setting("treeflash", 4, 1, 16)]
+    for tokens, want in ((2.06, PLAIN), (2.2, cands[0])):  # 1.03x and 1.10x plain decoding's rate
+        c = choose(cost, FixedAcceptance(lambda s, t=tokens: t), 1, cands, margin=0.05)
+        assert c.setting == want, (tokens, c)
+    assert choose(cost, FixedAcceptance(lambda s: 2.06), 1, cands).setting == cands[0]  # no margin: the tree
