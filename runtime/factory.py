@@ -3,6 +3,7 @@ checkpoints or from an artifact folder; shared by treeflash-run and treeflash-be
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,10 +42,11 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
                              backend: str = "torch", device: str = "auto", dtype: str = "auto",
                              log=None, cuda_graphs: bool = True, compile_steps: bool = False,
                              fast_kernels: bool | None = None, max_batch: int = 0,
-                             tree_size_by_batch: dict[int, int] | None = None) -> Session:
+                             tree_size_by_batch: dict[int, int] | None = None, mode_auto: bool = False) -> Session:
     """model None: SmolLM2-135M-Instruct (converted on first use, progress through ``log``, which
     also reports CUDA graph captures) with ``drafter``, or with the demo drafter when that is None
-    too."""
+    too. mode_auto: the self-tuning tree picks the mode, so a drafter without a head (DFlash) gets
+    the marginal tree as its deployment tree instead of an error."""
     from treeflash_export.checkpoints import eos_token_ids, load_pair, parse_dtype
 
     from .backends import get_runner_class
@@ -59,6 +61,9 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
     torch_dtype = parse_dtype(dtype, dev)
 
     def check(vcfg, dcfg):
+        nonlocal tree
+        if mode_auto and dcfg is not None and not dcfg.has_head and tree.mode == "treeflash":
+            tree = dataclasses.replace(tree, mode="marginal", top_m=1)
         if dcfg is not None and tree.mode != "ar":
             tree.validate(block_size=dcfg.block_size, vocab_size=dcfg.vocab_size, has_head=dcfg.has_head)
 

@@ -128,14 +128,17 @@ def generate(
     """Speculative (or, with mode 'ar', plain) generation over one runner. tuner: a self-tuning tree
     (treeflash_runtime.tuner.online.TreeTuner) that picks each round's tree instead of ``tree``."""
     sampling.validate()
-    if tuner is not None:
-        tree = tuner.next_tree()
-    tree = checked_tree(runner, tree)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=runner.device).reshape(-1)
     P = int(prompt.shape[0])
-    # With a tuner the largest tree it may pick must fit, whichever it starts with.
-    check_capacity(runner, P, sampling, tree if tuner is None else dataclasses.replace(
-        tree, tree_size=max(tree.tree_size, tuner.max_tree_size)))
+    if tuner is not None:
+        # The largest tree the tuner may pick must fit, whichever it starts with; checked before the
+        # tuner's first choice (which may measure the cost model).
+        check_capacity(runner, P, sampling, dataclasses.replace(tree, tree_size=tuner.max_tree_size))
+        tuner.new_generation()
+        tree = tuner.next_tree()
+    tree = checked_tree(runner, tree)
+    if tuner is None:
+        check_capacity(runner, P, sampling, tree)
     stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=P)
     out = Emitter(sampling, on_tokens)
 
@@ -158,6 +161,6 @@ def generate(
     stats.elapsed_s = time.perf_counter() - t0
     stats.new_tokens = len(out.tokens)
     if tuner is not None:
-        stats.mode = "auto"
+        stats.mode = tuner.fixed_mode or "auto"
         stats.tuning = tuner.report()
     return GenerationResult(out.tokens, stats, out.reason)

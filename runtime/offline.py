@@ -76,7 +76,7 @@ def run_prompt_lines(session, lines: list[PromptLine], encode, progress) -> list
         from .serving.engine import Engine, Request
 
         requests = [Request(i, line.sampling) for i, line in zip(ids, lines)]
-        Engine(session.runner).run(requests, progress=lambda r: progress())  # submits (checks) all, then runs
+        Engine(session.runner, tuner=session.tuner).run(requests, progress=lambda r: progress())  # submits (checks) all, then runs
         for request, line in zip(requests, lines):
             end = request.token_times[-1] if request.token_times else request.submitted_at
             results.append(_fields(request.tokens, request.accept_lengths,

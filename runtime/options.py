@@ -27,7 +27,8 @@ class AutoOrInt(click.ParamType):
             self.fail(f"{value!r} is neither auto nor a whole number", param, ctx)
 
 
-_AUTO_HELP = " auto: the self-tuning tree chooses (torch backend, one sequence; see docs/tuning.md)."
+_AUTO_HELP = " auto: the self-tuning tree chooses, round by round (torch backend over checkpoints; see docs/tuning.md)."
+_DEFAULT = "[default: auto over checkpoints; an artifact's own setting]"
 
 _OPTIONS = [
     click.option("--model", "model", default=None, help="Verifier: a local Hugging Face folder or a hub id. "
@@ -42,19 +43,16 @@ _OPTIONS = [
                  help="Check every artifact file against the manifest's SHA-256 before use."),
     click.option("--mode", type=click.Choice(MODES + ("auto",)), default=None,
                  help=f"treeflash: head-conditioned tree; marginal: DDTree-style tree; chain: DFlash path; "
-                      f"ar: plain decoding on the same backend (the baseline).{_AUTO_HELP} [default: {_TREE.mode}, "
-                      f"or the artifact's]"),
+                      f"ar: plain decoding on the same backend (the baseline).{_AUTO_HELP} {_DEFAULT}"),
     click.option("--tree-size", type=AutoOrInt(), default=None,
-                 help=f"Tree nodes per round N, root included.{_AUTO_HELP} [default: {_TREE.tree_size}, or the "
-                      f"artifact's]"),
+                 help=f"Tree nodes per round N, root included.{_AUTO_HELP} {_DEFAULT}"),
     click.option("--top-m", type=AutoOrInt(), default=None,
-                 help=f"Candidate parents per position (treeflash).{_AUTO_HELP} [default: {_TREE.top_m}, or the "
-                      f"artifact's]"),
+                 help=f"Candidate parents per position (treeflash).{_AUTO_HELP} {_DEFAULT}"),
     click.option("--top-k", type=AutoOrInt(), default=None,
-                 help=f"Children per parent row.{_AUTO_HELP} [default: {_TREE.top_k}, or the artifact's]"),
+                 help=f"Children per parent row.{_AUTO_HELP} {_DEFAULT}"),
     click.option("--retune", is_flag=True,
                  help="With auto tree settings: measure the round's costs again instead of reading them from the "
-                      "cache (TREEFLASH_CACHE/costs)."),
+                      "cache (TREEFLASH_CACHE/costs), and start the acceptance model afresh."),
     click.option("--drafter-temperature", type=float, default=None,
                  help=f"Temperature of the drafter scores that shape the tree (never changes the output). "
                       f"[default: {_TREE.drafter_temperature}, or the artifact's]"),
@@ -107,11 +105,16 @@ def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size
 
     requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
                      drafter_temperature=drafter_temperature)
+    table = batch.get("tree_size_by_batch")
+    if artifacts is None and backend == "torch" and not table:
+        # Over checkpoints on the torch backend a tree setting left out is the self-tuning tree's to choose.
+        requested.update({k: "auto" for k in TUNED if requested[k] is None})
     auto = [k for k in TUNED if requested[k] == "auto"]
     if auto:
         where = ("an artifact keeps its manifest's tree settings" if artifacts is not None else
-                 "request slots (--prompts-file, serving) take explicit tree settings for now"
-                 if batch.get("max_batch") else "only the torch backend tunes its tree" if backend != "torch" else "")
+                 "only the torch backend tunes its tree" if backend != "torch" else
+                 "--tree-size-by-batch is an explicit tree (give every tree setting, or leave the table out)"
+                 if table else "")
         if where:
             raise TreeFlashError(f"--{auto[0].replace('_', '-')} auto: {where}; give a value")
     kernels = ON_OFF[fast_kernels] if isinstance(fast_kernels, str) else fast_kernels
@@ -122,7 +125,7 @@ def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size
             auto = []  # nothing left to choose: plain decoding and the chain have no tree settings
         sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
                                         device, dtype, log=log, cuda_graphs=cuda_graphs, compile_steps=compile_steps,
-                                        fast_kernels=kernels, **batch)
+                                        fast_kernels=kernels, mode_auto="mode" in auto, **batch)
         if auto:
             from .tuner.online import TreeTuner
 

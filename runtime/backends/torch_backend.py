@@ -231,7 +231,19 @@ class TorchRunner(Runner):
         tree size."""
         self.tree = checked_tree(self, tree)
         self.tree_by_bucket = tree_sizes_by_bucket(self.buckets, self.tree, tree_size_by_batch or {})
+        self.bucket_trees: dict[int, TreeConfig | None] = {}
         self.max_tree_size = max(self.tree_by_bucket.values())  # the largest tree a round builds
+
+    def set_bucket_tree(self, b: int, tree: TreeConfig | None) -> None:
+        """The tree the rounds of bucket b use from now on (the self-tuning tree's choice for that
+        bucket; None: the deployment's again). It may not be larger than the deployment's tree, which
+        sized the caches and the capacity check."""
+        if tree is not None:
+            tree = checked_tree(self, tree)
+            if tree.tree_size > self.max_tree_size:
+                raise ConfigError(f"a tree of {tree.tree_size} nodes is larger than this deployment's "
+                                  f"{self.max_tree_size}")
+        self.bucket_trees[b] = tree
 
     def set_tree(self, tree: TreeConfig) -> None:
         """The next rounds' tree setting (one sequence; the self-tuning tree changes it between rounds)."""
@@ -401,7 +413,8 @@ class TorchRunner(Runner):
         return gained
 
     def _bucket_tree(self, b: int) -> TreeConfig:
-        return dataclasses.replace(self.tree, tree_size=self.tree_by_bucket[b])
+        chosen = self.bucket_trees.get(b)
+        return chosen if chosen is not None else dataclasses.replace(self.tree, tree_size=self.tree_by_bucket[b])
 
     def _round(self, b: int, tree: TreeConfig, kind: int, bound: int = 0) -> None:
         """draft -> expand -> build trees -> verify -> accept -> commit, for slots 0..b-1. The drafter
@@ -534,7 +547,9 @@ class TorchRunner(Runner):
     @contextlib.contextmanager
     def probing(self, b: int, prompt_tokens: int = 64):
         """Slots 0..b-1 hold a dummy prompt of ``prompt_tokens`` tokens while the self-tuning tree times a
-        round's parts (``time_part``); every slot is freed after."""
+        round's parts (``time_part``); every slot is freed after, so no request may hold one."""
+        if bool(self.state.active[:b].any()):
+            raise RuntimeError("internal error: the cost probe needs free slots; a request holds one")
         ids = torch.arange(1, prompt_tokens + 1, device=self.device) % self.vocab_size
         self._probe_memo: dict = {}
         try:

@@ -56,25 +56,43 @@ def batching_row(requests, wall_s: float, concurrency: int, reference) -> dict:
 
 
 def run_batching_bench(sess, prompts: list[list[int]], concurrency: list[int], max_new_tokens: int,
-                       stop_token_ids=()) -> dict:
+                       stop_token_ids=(), variants: list[tuple] | None = None) -> dict:
+    """Serves the prompts through the engine at each concurrency, for each variant in turn on one
+    runner: (label, deployment tree, tree size by batch, tuner or None); default: the runner's own tree.
+    Outputs are compared with the first variant's first row (greedy: they must be identical)."""
     from ..serving.engine import Engine
 
     if not concurrency or min(concurrency) < 1:
         raise TreeFlashError("--concurrency takes batch sizes >= 1, e.g. 1,4,8")
     runner = sess.runner
+    if variants is None:
+        variants = [(runner.tree.mode, None, None, sess.tuner)]
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
-    serve_closed_loop(Engine(runner), prompts[:1], sampling, 1)  # warm-up
     rows, reference = [], None
-    for c in sorted(set(concurrency)):
-        requests, wall = serve_closed_loop(Engine(runner, max_active=c), prompts, sampling, c)
-        rows.append(batching_row(requests, wall, c, reference))
-        if reference is None:
-            reference = [r.tokens for r in requests]
-    base = rows[0]["tokens_per_s"]
+    for label, tree, table, tuner in variants:
+        if tree is not None:
+            runner.configure(tree, table)
+        engine = Engine(runner, tuner=tuner)
+        serve_closed_loop(engine, prompts[:1], sampling, 1)  # warm-up (and the tuner's first rounds)
+        engine.close()
+        for c in sorted(set(concurrency)):
+            engine = Engine(runner, max_active=c, tuner=tuner)
+            requests, wall = serve_closed_loop(engine, prompts, sampling, c)
+            engine.close()
+            row = batching_row(requests, wall, c, reference)
+            row["variant"] = label
+            if tuner is not None:
+                row["tuning"] = tuner.report()
+            rows.append(row)
+            if reference is None:
+                reference = [r.tokens for r in requests]
     for row in rows:
-        row["ratio_to_first"] = row["tokens_per_s"] / base
+        first = next(r for r in rows if r["variant"] == row["variant"])
+        row["ratio_to_first"] = row["tokens_per_s"] / first["tokens_per_s"]
+        plain = next((r for r in rows if r["variant"] == "ar" and r["concurrency"] == row["concurrency"]), None)
+        row["ratio_to_ar"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain else None
     return {"rows": rows, "identical_outputs": all(r["identical_outputs"] for r in rows), "requests": len(prompts),
-            "max_new_tokens": max_new_tokens, "mode": runner.tree.mode, "tree_by_bucket": runner.tree_by_bucket,
+            "max_new_tokens": max_new_tokens, "variants": [v[0] for v in variants],
             "device": str(runner.device), "max_batch": runner.max_batch}
 
 
@@ -85,17 +103,22 @@ def latency_cells(row: dict) -> tuple[str, str]:
 
 
 def format_batching_report(report: dict) -> str:
-    head = (f"{'where':<11} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(report['rows'][0]['concurrency']):>6} "
-            f"{'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} {'tok/round':>9} {'same':>5}")
+    head = (f"{'variant':<22} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(report['rows'][0]['concurrency']):>6} "
+            f"{'x ar':>5} {'TTFT mean/p50/p90 ms':>22} {'ITL mean/p50/p90 ms':>21} {'tok/round':>9} {'same':>5}")
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
         ttft, itl = latency_cells(r)
-        lines.append(f"{r['where']:<11} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
-                     f"{r['ratio_to_first']:>6.2f} {ttft:>22} {itl:>21} {r['tokens_per_round']:>9.2f} "
+        vs_ar = "-" if r.get("ratio_to_ar") is None else f"{r['ratio_to_ar']:.2f}"
+        lines.append(f"{r.get('variant', ''):<22} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
+                     f"{r['ratio_to_first']:>6.2f} {vs_ar:>5} {ttft:>22} {itl:>21} {r['tokens_per_round']:>9.2f} "
                      f"{str(r['identical_outputs']):>5}")
-    lines.append(f"mode {report['mode']}, {report['requests']} requests of {report['max_new_tokens']} new tokens, "
-                 f"tree size by slot bucket {report['tree_by_bucket']}, on {report['device']}; outputs identical to "
-                 f"concurrency {report['rows'][0]['concurrency']}: {report['identical_outputs']}")
+    for r in report["rows"]:
+        if "tuning" in r:
+            picks = ", ".join(f"{b}: {c['mode']}" + (f" N={c['tree_size']}" if c["mode"] not in ("ar", "chain") else "")
+                              for b, c in r["tuning"]["choices"].items())
+            lines.append(f"auto at concurrency {r['concurrency']}: last choice per slot bucket {picks}")
+    lines.append(f"{report['requests']} requests of {report['max_new_tokens']} new tokens on {report['device']}; "
+                 f"outputs identical to the first row: {report['identical_outputs']}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 
 import click
 
@@ -30,7 +31,7 @@ def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device):
+def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device, mode_auto=False):
     """One loaded runner per backend: every tree setting (and plain decoding) runs on it."""
     from ..factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
 
@@ -38,7 +39,7 @@ def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, dev
         return session_from_artifacts(artifacts, {}, backend=backend, device=device)
     tree = TreeConfig(mode=mode, **tree_kw)
     return session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device,
-                                    log=lambda m: click.echo(m, err=True))
+                                    log=lambda m: click.echo(m, err=True), mode_auto=mode_auto)
 
 
 def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
@@ -60,8 +61,17 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--drafter", default=None, help="Drafter checkpoint (torch backend, without --artifacts); without "
               "--model it drafts for the default verifier, SmolLM2-135M-Instruct.")
 @click.option("--backends", default="torch", help="Comma-separated backends; the first is the reference.")
-@click.option("--modes", default=None, help="Comma-separated modes; 'ar' (plain decoding) is always added. "
-              "[default: the artifact's mode, or treeflash]")
+@click.option("--modes", default=None, help="Comma-separated modes (auto: the self-tuning tree); 'ar' (plain "
+              "decoding) is always added. [default: the artifact's mode, or auto]")
+@click.option("--sweep", is_flag=True,
+              help="Time a grid of fixed settings in one run (TreeFlash at every --sweep-sizes x --sweep-top-m x "
+                   "--sweep-top-k, the marginal tree at every size and K, the chain, plain decoding) beside auto, "
+                   "sorted by tokens/s, with where auto lands against the best point (torch over checkpoints).")
+@click.option("--sweep-sizes", default="4,8,16,32,64", metavar="N,...", help="With --sweep: tree sizes.")
+@click.option("--sweep-top-m", default="1,2,4,16", metavar="M,...", help="With --sweep: top-M values.")
+@click.option("--sweep-top-k", default="4,16", metavar="K,...", help="With --sweep: top-K values.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="With --sweep: also draw tokens/s over tree size to this PNG file.")
 @click.option("--tree-sizes", default=None,
               help="Comma-separated tree sizes N (checkpoints only; an artifact has its own). "
                    f"[default: {TreeConfig.tree_size}; 16,32,64 with --random-weights]")
@@ -101,8 +111,10 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--requests", type=int, default=16, help="With --concurrency, --server or --openai: distinct prompts "
               "per row.")
 @click.option("--server-model", default="treeflash", help="With --server: the served model to load.")
-@click.option("--tree-size-by-batch", default="", metavar="B:N,...",
-              help="With --concurrency: a smaller tree when more requests share a round (see treeflash-run).")
+@click.option("--tree-size-by-batch", default="", metavar="B:N,...[;B:N,...]",
+              help="With --concurrency: a smaller tree when more requests share a round (see treeflash-run); "
+                   "several tables separated by ';' are benchmarked one after another, each as a variant of every "
+                   "fixed mode in --modes.")
 @click.option("--random-weights", "preset", default=None, type=click.Choice(sorted(PRESETS)),
               help="Instead: time rounds and plain steps of a random-weight pair at this model's shapes, built "
                    "on the device (no download), against the weight-reading floor.")
@@ -128,7 +140,7 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (inside the CUDA graph where graphs "
                    "are on, else eagerly and synchronised; not with --compile).")
-def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, prompts, heldout_prompts,
+def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_top_m, sweep_top_k, plot, tree_sizes, top_m, top_k, prompts, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
          concurrency, openai_url, api_key, requests, server_model, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
          cuda_graphs, compile_steps, fast_kernels, batch_sizes, slot_costs, stages):
@@ -163,9 +175,16 @@ def main(artifacts, model, drafter, backends, modes, tree_sizes, top_m, top_k, p
     try:
         source = (("heldout", heldout_prompts, prompt_tokens, heldout_domain) if heldout_prompts
                   else list(prompts) or list(DEFAULT_PROMPTS))
+        grid = None
+        if sweep:
+            grid = tuple([int(x) for x in _split(v)] for v in (sweep_sizes, sweep_top_m, sweep_top_k))
+        elif plot:
+            raise TreeFlashError("--plot draws a --sweep: add --sweep")
         report = run_bench(artifacts, model, drafter, _split(backends), modes,
                            [int(n) for n in _split(tree_sizes)], dict(top_m=top_m, top_k=top_k), source,
-                           max_new_tokens, max_seq_len, repeat, device, ignore_eos=ignore_eos)
+                           max_new_tokens, max_seq_len, repeat, device, ignore_eos=ignore_eos, sweep=grid)
+        if plot:
+            plot_sweep(report, plot)
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -209,19 +228,40 @@ def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, p
         levels = [int(c) for c in _split(concurrency)]
         if requests < 1:
             raise TreeFlashError("--requests must be >= 1")
-        mode = _split(modes)[0] if modes else None
-        by_batch = parse_tree_size_by_batch(tree_size_by_batch)
+        mode_list = _split(modes) if modes else (["auto"] if not artifacts else [])
+        tables = [parse_tree_size_by_batch(t) for t in tree_size_by_batch.split(";") if t.strip()]
         log = lambda m: click.echo(m, err=True)  # noqa: E731
-        batch = dict(max_batch=max(levels), tree_size_by_batch=by_batch)
+        batch = dict(max_batch=max(levels))
         if artifacts:
+            mode = mode_list[0] if mode_list else None
+            if len(mode_list) > 1 or mode == "auto" or len(tables) > 1:
+                raise TreeFlashError("an artifact serves its own tree: one mode and one --tree-size-by-batch table")
             sess = session_from_artifacts(artifacts, {} if mode is None else {"mode": mode}, backend="torch",
-                                          device=device, cuda_graphs=cuda_graphs, log=log, **batch)
+                                          device=device, cuda_graphs=cuda_graphs, log=log,
+                                          tree_size_by_batch=tables[0] if tables else None, **batch)
+            variants = None
         else:
-            tree = TreeConfig(mode=mode or "treeflash", tree_size=int(_split(tree_sizes)[0]), top_m=top_m, top_k=top_k)
-            sess = session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, "torch", device,
-                                            cuda_graphs=cuda_graphs, log=log, **batch)
+            largest = TreeConfig(mode="treeflash", tree_size=max(int(n) for n in _split(tree_sizes)), top_m=top_m,
+                                 top_k=top_k)
+            sess = session_from_checkpoints(model, drafter, largest, max_seq_len or DEFAULT_CAPACITY, "torch", device,
+                                            cuda_graphs=cuda_graphs, log=log, mode_auto="auto" in mode_list, **batch)
+            variants = []
+            for m in [m for m in mode_list if m != "ar"] + ["ar"]:
+                if m == "auto":
+                    from ..tuner.online import TreeTuner
+
+                    tuner = TreeTuner.for_runner(sess.runner, {}, sources=sess.sources, dtype=sess.dtype, log=log)
+                    variants.append(("auto", sess.tree, None, tuner))
+                elif m in ("ar", "chain"):
+                    variants.append((m, TreeConfig(mode=m), None, None))
+                else:
+                    tree = TreeConfig(mode=m, tree_size=int(_split(tree_sizes)[0]), top_m=top_m, top_k=top_k)
+                    for t in tables or [{}]:
+                        label = m + (" " + ",".join(f"{b}:{n}" for b, n in t.items()) if t else f" N={tree.tree_size}")
+                        variants.append((label, tree, t, None))
         ids = [sess.tokenizer(p)["input_ids"] for p in distinct_prompts(prompts, requests)]
-        report = run_batching_bench(sess, ids, levels, max_new_tokens, () if ignore_eos else sess.stop_token_ids)
+        report = run_batching_bench(sess, ids, levels, max_new_tokens, () if ignore_eos else sess.stop_token_ids,
+                                    variants)
     except (TreeFlashError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -298,8 +338,27 @@ def _prompt_ids(source, tokenizer, model=None) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in source]
 
 
+def sweep_settings(sizes, top_ms, top_ks, block_size: int, has_head: bool) -> list[TreeConfig]:
+    """The grid of --sweep: TreeFlash at every (N, M, K), the marginal tree at every (N, K), the chain."""
+    grid = [TreeConfig(mode="treeflash", tree_size=n, top_m=m, top_k=k) for n in sizes for m in top_ms for k in top_ks
+            if has_head]
+    grid += [TreeConfig(mode="marginal", tree_size=n, top_m=1, top_k=k) for n in sizes for k in top_ks]
+    return grid + [TreeConfig(mode="chain", tree_size=block_size)]
+
+
+def _label(tree: TreeConfig | None) -> str:
+    if tree is None:
+        return "auto"
+    if tree.mode in ("ar", "chain"):
+        return tree.mode
+    return f"{tree.mode} N={tree.tree_size}" + (f" M={tree.top_m}" if tree.mode == "treeflash" else "") + \
+        f" K={tree.top_k}"
+
+
 def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, prompts, max_new_tokens,
-              max_seq_len, repeat, device, *, ignore_eos: bool = False) -> dict:
+              max_seq_len, repeat, device, *, ignore_eos: bool = False, sweep: tuple | None = None) -> dict:
+    """Speculative rows against plain decoding, side by side on each backend. sweep: (sizes, top_ms,
+    top_ks) to time the whole grid of --sweep (torch over checkpoints) besides auto and plain decoding."""
     from transformers.utils import logging as hf_logging
 
     from ..loop import generate
@@ -312,83 +371,148 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
 
             modes = load_artifact(artifacts).tree.mode
         else:
-            modes = "treeflash"
+            modes = "auto"
     mode_list = [m for m in _split(modes) if m != "ar"] + ["ar"]
-    if "auto" in mode_list and (artifacts or backends != ["torch"]):
-        raise TreeFlashError("--modes auto (the self-tuning tree) runs on the torch backend over checkpoints")
+    if sweep is not None and "auto" not in mode_list:
+        mode_list.insert(0, "auto")
+    if ("auto" in mode_list or sweep is not None) and (artifacts or backends != ["torch"]):
+        raise TreeFlashError("--modes auto (the self-tuning tree) and --sweep run on the torch backend over checkpoints")
     bad = [m for m in mode_list if m not in MODES + ("auto",)]
     if bad:
         raise TreeFlashError(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
     rows, outputs = [], {}
-    configs = [(m, n) for m in mode_list if m not in ("ar", "chain", "auto")
-               for n in (tree_sizes if not artifacts else [None])]
-    configs = [(m, None) for m in mode_list if m == "auto"] + configs
-    configs = [(m, None) for m in mode_list if m == "chain"] + configs + [("ar", None)]
     ids = None
+    log = lambda m: click.echo(m, err=True)  # noqa: E731
     for backend in backends:
-        sess = _session(artifacts, model, drafter, backend, next(m for m in mode_list if m != "auto"), tree_kw,
-                        max_seq_len, device)
+        first = next((m for m in mode_list if m not in ("auto", "ar")), "treeflash" if "auto" in mode_list else "ar")
+        sess = _session(artifacts, model, drafter, backend, first, tree_kw, max_seq_len, device,
+                        mode_auto="auto" in mode_list)
+        runner = sess.runner
         tuner = None
         if "auto" in mode_list:
             from ..tuner.online import TreeTuner
 
-            tuner = TreeTuner.for_runner(sess.runner, {}, sources=sess.sources, dtype=sess.dtype,
-                                         log=lambda m: click.echo(m, err=True))
+            tuner = TreeTuner.for_runner(runner, {}, sources=sess.sources, dtype=sess.dtype, log=log)
         if ids is None:
             ids = _prompt_ids(prompts, sess.tokenizer, model)
         stops = () if ignore_eos else tuple(sorted(sess.stop_token_ids))
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=stops)
-        for mode, size in configs:
-            tree = _tree_for(sess, artifacts, mode, size, tree_kw)
-            tuned = tuner if mode == "auto" else None
-            generate(sess.runner, ids[0], tree, sampling, tuner=tuned)  # warm-up (the tuner's first exploration)
+        trees: list[TreeConfig | None] = [None] if "auto" in mode_list else []  # None: auto
+        if sweep is not None:
+            trees += sweep_settings(*sweep, runner.block_size, runner.has_head)
+        else:
+            trees += [_tree_for(sess, artifacts, m, None, tree_kw) for m in mode_list if m == "chain"]
+            trees += [_tree_for(sess, artifacts, m, n, tree_kw) for m in mode_list if m not in ("ar", "chain", "auto")
+                      for n in (tree_sizes if not artifacts else [None])]
+        trees.append(TreeConfig(mode="ar"))
+        for i, tree in enumerate(trees):
+            tuned = tuner if tree is None else None
+            if sweep is not None:
+                log(f"sweep: {i + 1}/{len(trees)} {_label(tree)}")
+            generate(runner, ids[0], tree or TreeConfig(), sampling, tuner=tuned)  # warm-up (and the tuner's start)
             tokens = rounds = gained = 0
             elapsed = 0.0
-            outs = []
+            outs, used = [], Counter()
             for _ in range(repeat):
                 for p in ids:
                     t0 = time.perf_counter()
-                    res = generate(sess.runner, p, tree, sampling, tuner=tuned)
+                    res = generate(runner, p, tree or TreeConfig(), sampling, tuner=tuned)
                     elapsed += time.perf_counter() - t0
                     tokens += res.stats.new_tokens
                     rounds += res.stats.rounds
                     gained += sum(res.stats.accept_lengths)
                     outs.append(res.token_ids)
-            outputs[backend, mode, size] = outs
-            rows.append({"backend": backend, "mode": mode,
-                         "tree_size": None if tuned else tree.resolved(sess.runner.block_size).tree_size,
-                         "new_tokens": tokens, "rounds": rounds, "elapsed_s": elapsed,
-                         "mean_accepted": gained / rounds if rounds else 0.0,
-                         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
-                         **({"tuning": tuned.report()} if tuned else {})})
-    by = {(r["backend"], r["mode"], r["tree_size"]): r for r in rows}
+                    if tuned:
+                        used.update(res.stats.tuning["settings_used"])
+            resolved = None if tree is None else tree.resolved(runner.block_size)
+            outputs[backend, _label(resolved)] = outs
+            row = {"backend": backend, "mode": "auto" if tree is None else tree.mode, "setting": _label(resolved),
+                   "tree_size": None if tree is None else resolved.tree_size,
+                   "top_m": None if tree is None else resolved.top_m, "top_k": None if tree is None else resolved.top_k,
+                   "new_tokens": tokens, "rounds": rounds, "elapsed_s": elapsed,
+                   "mean_accepted": gained / rounds if rounds else 0.0,
+                   "tokens_per_s": tokens / elapsed if elapsed else 0.0}
+            if tuned:
+                row["tuning"] = {**tuned.report(), "settings_used": dict(used)}
+            rows.append(row)
+    by = {(r["backend"], r["setting"]): r for r in rows}
     for r in rows:
-        r["speedup_vs_ar"] = r["tokens_per_s"] / by[r["backend"], "ar", 1]["tokens_per_s"]
-        r["ratio_vs_" + backends[0]] = r["tokens_per_s"] / by[backends[0], r["mode"], r["tree_size"]]["tokens_per_s"]
+        r["speedup_vs_ar"] = r["tokens_per_s"] / by[r["backend"], "ar"]["tokens_per_s"]
+        r["ratio_vs_" + backends[0]] = r["tokens_per_s"] / by[backends[0], r["setting"]]["tokens_per_s"]
     reference = next(iter(outputs.values()))
     identical = all(o == reference for o in outputs.values())
     import platform
 
     import torch
 
-    return {"rows": rows, "identical_outputs": identical, "prompts": len(ids), "repeat": repeat,
-            "max_new_tokens": max_new_tokens, "stops_at_eos": not ignore_eos, "machine": platform.machine(), "threads": torch.get_num_threads(),
-            "artifacts": artifacts}
+    report = {"rows": rows, "identical_outputs": identical, "prompts": len(ids), "repeat": repeat,
+              "max_new_tokens": max_new_tokens, "stops_at_eos": not ignore_eos, "machine": platform.machine(),
+              "threads": torch.get_num_threads(), "artifacts": artifacts}
+    if sweep is not None:
+        fixed = [r for r in rows if r["mode"] != "auto"]
+        best = max(fixed, key=lambda r: r["tokens_per_s"])
+        auto = next(r for r in rows if r["mode"] == "auto")
+        report["sweep"] = {"best": best["setting"], "best_tokens_per_s": best["tokens_per_s"],
+                           "auto_tokens_per_s": auto["tokens_per_s"],
+                           "auto_vs_best": auto["tokens_per_s"] / best["tokens_per_s"],
+                           "auto_rank": 1 + sum(r["tokens_per_s"] > auto["tokens_per_s"] for r in fixed),
+                           "points": len(fixed)}
+    return report
+
+
+def plot_sweep(report: dict, path: str) -> None:
+    """tokens/s over tree size: one line per (mode, M, K), plain decoding and auto as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    lines: dict[str, list] = {}
+    for r in rows:
+        if r["mode"] in ("treeflash", "marginal"):
+            key = f"{r['mode']} M={r['top_m']} K={r['top_k']}" if r["mode"] == "treeflash" else f"marginal K={r['top_k']}"
+            lines.setdefault(key, []).append((r["tree_size"], r["tokens_per_s"]))
+    for key, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1, ms=3,
+                ls="--" if key.startswith("marginal") else "-", label=key)
+    for r in rows:
+        if r["mode"] in ("ar", "auto", "chain"):
+            style = {"ar": ("k", "-"), "auto": ("r", "-"), "chain": ("0.5", ":")}[r["mode"]]
+            ax.axhline(r["tokens_per_s"], color=style[0], ls=style[1], lw=2 if r["mode"] != "chain" else 1,
+                       label=f"{r['mode']} ({r['tokens_per_s']:.1f} tok/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree size N (nodes, root included)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"treeflash-bench --sweep: {report['prompts']} prompts, {report['max_new_tokens']} new tokens, "
+                 f"{report['threads']} threads")
+    ax.legend(fontsize=6, ncol=2, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def format_report(report: dict) -> str:
     rows = report["rows"]
     ref = next(k for k in rows[0] if k.startswith("ratio_vs_"))
-    head = f"{'backend':<12} {'mode':<10} {'N':>4} {'tok/round':>9} {'tok/s':>9} {'vs ar':>7} {ref.replace('ratio_', ''):>12}"
+    head = f"{'backend':<12} {'setting':<30} {'tok/round':>9} {'tok/s':>9} {'vs ar':>7} {ref.replace('ratio_', ''):>12}"
     lines = [head, "-" * len(head)]
+    if report.get("sweep"):
+        rows = sorted(rows, key=lambda r: -r["tokens_per_s"])
     for r in rows:
-        size = "-" if r["tree_size"] is None else r["tree_size"]
-        lines.append(f"{r['backend']:<12} {r['mode']:<10} {size:>4} {r['mean_accepted']:>9.2f} "
+        lines.append(f"{r['backend']:<12} {r['setting']:<30} {r['mean_accepted']:>9.2f} "
                      f"{r['tokens_per_s']:>9.1f} {r['speedup_vs_ar']:>6.2f}x {r[ref]:>11.2f}x")
     for r in rows:
         if "tuning" in r:
             top = sorted(r["tuning"]["settings_used"].items(), key=lambda kv: -kv[1])[:4]
             lines.append(f"auto ({r['backend']}): rounds by setting " + ", ".join(f"{k} {v}" for k, v in top))
+    if report.get("sweep"):
+        sw = report["sweep"]
+        lines.append(f"sweep: auto {sw['auto_tokens_per_s']:.1f} tok/s = {sw['auto_vs_best']:.2f}x the best grid point "
+                     f"({sw['best']}, {sw['best_tokens_per_s']:.1f} tok/s); rank {sw['auto_rank']} of "
+                     f"{sw['points'] + 1}")
     lines.append(f"greedy outputs identical across all rows: {report['identical_outputs']} "
                  f"({report['prompts']} prompts x {report['repeat']}, up to {report['max_new_tokens']} new tokens"
                  f"{', ending at end of turn' if report.get('stops_at_eos') else ''})")

@@ -78,7 +78,7 @@ class AsyncEngine:
     def __init__(self, session, metrics: ServingMetrics, max_queue: int):
         """session: a Session whose runner has request slots (session_from_checkpoints(..., max_batch=B))."""
         self.session, self.metrics, self.max_queue = session, metrics, max_queue
-        self.engine = Engine(session.runner)
+        self.engine = Engine(session.runner, tuner=session.tuner)
         self.in_flight: set[Generation] = set()
 
     # ------------------------------------------------------------------ life

@@ -21,10 +21,14 @@ from .scheduler import CANCELLED, FAILED, FINISHED, RUNNING, Request, Scheduler
 
 
 class Engine:
-    def __init__(self, runner, prefill_chunk: int = 256, max_active: int | None = None):
+    def __init__(self, runner, prefill_chunk: int = 256, max_active: int | None = None, tuner=None):
         """runner: a backends.torch_backend.TorchRunner with its deployment tree; max_active: requests served at once (default and at
-        most its max_batch, the number of slots)."""
-        self.runner = runner
+        most its max_batch, the number of slots); tuner: the self-tuning tree
+        (treeflash_runtime.tuner.online.TreeTuner), which picks each round's tree for its batch bucket
+        within the deployment's tree (None: the deployment's tree and its tree sizes by batch)."""
+        self.runner, self.tuner = runner, tuner
+        if tuner is not None:
+            tuner.serve(runner)
         self.scheduler = Scheduler(min(max_active or runner.max_batch, runner.max_batch), prefill_chunk)
         self._emitters: dict[int, Emitter] = {}
         self.rounds_by_batch: dict[int, int] = {}  # running slots in a round -> rounds run so far
@@ -90,10 +94,15 @@ class Engine:
                     self._emit(request, [first])
         running = [r for r in sched.running() if not r.stop_reason]  # a first token may already end one
         if running:
+            if self.tuner is not None:
+                b = runner.bucket_for(sched.occupied)
+                runner.set_bucket_tree(b, self.tuner.next_tree(b))
             gained = runner.step(sched.occupied)
             self.rounds_by_batch[len(running)] = self.rounds_by_batch.get(len(running), 0) + 1
             for request in running:
                 request.accept_lengths.append(len(gained[request.slot]))
+                if self.tuner is not None:
+                    self.tuner.after_round(runner, request.slot, len(gained[request.slot]))
                 self._emit(request, gained[request.slot])
         for request in sorted((r for r in sched.slots if r.stop_reason), key=lambda r: -r.slot):
             self._retire(request, FINISHED, request.stop_reason)
@@ -117,13 +126,23 @@ class Engine:
         if request.on_done is not None:
             request.on_done(request)
 
+    def close(self) -> None:
+        """Keeps what the self-tuning tree learnt (the next process starts from it) and turns its extra
+        work off on the runner (node reports, the drafter's context in plain steps)."""
+        if self.tuner is not None:
+            self.tuner.save()
+            self.tuner.release(self.runner)
+
     def run(self, requests: list[Request], progress=None) -> list[Request]:
         """Serves these requests to the end, in this thread. progress(request) after each one ends."""
         for request in requests:
             if progress is not None:
                 request.on_done = _then(request.on_done, progress)
             self.submit(request)
-        return self.drain(requests)
+        try:
+            return self.drain(requests)
+        finally:
+            self.close()
 
     def drain(self, requests: list[Request]) -> list[Request]:
         """Steps in this thread until these (submitted) requests are done."""
@@ -155,6 +174,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.close()
 
     def _serve(self) -> None:
         while not self._stopping:

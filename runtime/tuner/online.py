@@ -64,14 +64,33 @@ def acceptance_key(runner, sources, drafter_temperature: float) -> dict | None:
             "drafter_temperature": float(drafter_temperature), "version": __version__}
 
 
+def largest_tree(runner) -> int:
+    """The largest tree the tuner may pick: MAX_TREE, or less where the runner's deployment tree
+    (request slots) sized its caches for less."""
+    return min(MAX_TREE, runner.max_tree_size) if getattr(runner, "tree", None) is not None else MAX_TREE
+
+
 def measure_runner(runner, buckets: list[int], log=None) -> CostModel:
     """Times the default grid's parts on the runner, bucket by bucket."""
-    grid = default_grid(runner_modes(runner), runner.block_size, MAX_TREE)
+    grid = default_grid(runner_modes(runner), runner.block_size, largest_tree(runner))
     model = CostModel()
     for b in buckets:
         with runner.probing(b, PROBE_PROMPT) as probe:
             model = model.merged(measure(probe, [b], grid, log))
     return model
+
+
+class LazyCost:
+    """The cost model, measured (or read from the cache) when a round first asks for it, so that a
+    request refused by a cheap check never waits for the measurement."""
+
+    def __init__(self, load):
+        self._load, self._model = load, None
+
+    def __getattr__(self, name):  # only for what LazyCost itself lacks: the CostModel's attributes
+        if self._model is None:
+            self._model = self._load()
+        return getattr(self._model, name)
 
 
 class TreeTuner:
@@ -83,6 +102,8 @@ class TreeTuner:
         self.auto = auto
         self.store, self.store_key, self.log = store, store_key, log
         self.resumed = False  # whether the acceptance model was read from an earlier run
+        self._note: str | None = None
+        self.fixed_mode: str | None = None  # the mode the user gave (the tuner then chooses only N, M, K)
         self.max_tree_size = max(s.tree_size for s in auto.candidates)  # what the caches must leave room for
         self.drafter_temperature = drafter_temperature
         self.current: Setting | None = None
@@ -99,11 +120,12 @@ class TreeTuner:
         start afresh and keep nothing) and is saved after each generation."""
         fixed = {k: v for k, v in fixed.items() if k in FIELDS and v is not None}
         modes = runner_modes(runner)
-        candidates = candidate_settings(modes, runner.block_size, MAX_TREE, fixed=fixed)
+        candidates = candidate_settings(modes, runner.block_size, largest_tree(runner), fixed=fixed)
         candidates = [s if s.mode != "chain" else Setting("chain", runner.block_size, 1, 1) for s in candidates]
         key = cost_key(runner, sources, dtype)
-        cost = (cache or CostCache()).get_or_measure(key, [1], lambda buckets: measure_runner(runner, buckets, log),
-                                                     retune=retune, log=log)
+        buckets = list(getattr(runner, "buckets", [1]))  # request slots: every batch bucket the runner rounds
+        cost = LazyCost(lambda: (cache or CostCache()).get_or_measure(
+            key, buckets, lambda todo: measure_runner(runner, todo, log), retune=retune, log=log))
         plain = fixed.get("mode") in (None, "ar")
         # A wider hysteresis than the policy's default: a new setting must promise 10% more (on a GPU each
         # new setting is a graph capture).
@@ -114,10 +136,11 @@ class TreeTuner:
             store = AcceptanceStore(cache.root.parent / "acceptance") if cache is not None else AcceptanceStore()
         skey = acceptance_key(runner, sources, drafter_temperature) if store else None
         tuner = cls(auto, drafter_temperature, store or None, skey, log)
+        tuner.fixed_mode = fixed.get("mode")
         if skey is not None and not retune:
             tuner.resumed = store.load_into(skey, acceptance, log)
-            if tuner.resumed and log:
-                log(f"tuning: acceptance model from {acceptance.rounds} earlier rounds with this pair")
+            tuner._note = (f"tuning: the acceptance model starts from {acceptance.rounds} earlier rounds with this pair"
+                           if tuner.resumed else None)
         return tuner
 
     def save(self) -> None:
@@ -135,15 +158,31 @@ class TreeTuner:
         """While a tuned generation runs: its rounds report their nodes, and plain decoding rounds keep
         the drafter's context current (work a fixed setting on the same runner never pays)."""
         runner.observing = runner.keep_context = True
-        self.used.clear()  # the report is per generation; what was learnt stays
-        self.tokens.clear()
         try:
             yield
         finally:
             runner.observing = runner.keep_context = False
             self.save()
 
+    def new_generation(self) -> None:
+        """The report counts one generation from here (what was learnt stays)."""
+        self.used.clear()
+        self.tokens.clear()
+
+    def serve(self, runner) -> None:
+        """For an engine over request slots, before it admits anything: the cost model is measured now
+        (the probe takes slots over, so never while requests hold them), then its rounds report their
+        nodes and plain decoding rounds keep the drafter's context for as long as it serves."""
+        self.auto.cost.buckets  # noqa: B018 (measures or reads the cache now)
+        runner.observing = runner.keep_context = True
+
+    def release(self, runner) -> None:
+        runner.observing = runner.keep_context = False
+
     def next_tree(self, bucket: int = 1) -> TreeConfig:
+        if self._note and self.log:  # said at first use, with the cost model's lines
+            self.log(self._note)
+        self._note = None
         s = self.auto.setting(bucket)
         self.current = s
         self.used[s.label()] += 1

@@ -271,12 +271,23 @@ def test_bench_concurrency_rows_report_latency_and_identical_outputs(pair_dirs):
                                   "--top-k", "2", "--ignore-eos", "--max-seq-len", "64", "--json"])
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
-    assert [(row["where"], row["concurrency"], row["requests"], row["tokens"]) for row in report["rows"]] == [
-        ("in_process", 1, 5, 30), ("in_process", 3, 5, 30)]
+    # The default: the self-tuning tree, then plain decoding, at each concurrency.
+    assert [(row["variant"], row["concurrency"], row["requests"], row["tokens"]) for row in report["rows"]] == [
+        ("auto", 1, 5, 30), ("auto", 3, 5, 30), ("ar", 1, 5, 30), ("ar", 3, 5, 30)]
     for row in report["rows"]:
         assert row["tokens_per_s"] > 0 and row["identical_outputs"] is True and row["tokens_per_round"] >= 1
         assert set(row["ttft_ms"]) == set(row["itl_ms"]) == {"mean", "p50", "p90"}
+        assert row["ratio_to_ar"] == pytest.approx(row["tokens_per_s"] / report["rows"][2 + (row["concurrency"] == 3)]
+                                                   ["tokens_per_s"])
     assert report["identical_outputs"] is True and report["max_batch"] == 3
+    # Hand-written tables beside it: one variant each.
+    r = CliRunner().invoke(main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--concurrency",
+                                  "1,3", "--requests", "3", "--max-new-tokens", "4", "--tree-sizes", "8", "--modes",
+                                  "treeflash", "--tree-size-by-batch", "1:8,2:4;1:4", "--ignore-eos",
+                                  "--max-seq-len", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    assert [row["variant"] for row in json.loads(r.stdout)["rows"]] == [
+        "treeflash 1:8,2:4", "treeflash 1:8,2:4", "treeflash 1:4", "treeflash 1:4", "ar", "ar"]
 
 
 # ---------------------------------------------------------------- what CUDA captures, on the CPU

@@ -80,11 +80,14 @@ def test_costs_are_measured_once_then_read_from_the_cache(load, pair_dirs, tmp_p
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
     lines: list[str] = []
-    tuner_for(runner, _sources(pair_dirs), tmp_path, None, log=lines.append)
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, None, log=lines.append)
+    assert not lines  # measured when a round first asks, not before
+    tuner.next_tree()
     measured = [line for line in lines if line.startswith("tuning: measuring")]
     assert measured and measured[-1].startswith("tuning: measuring a full round")
     lines.clear()
     tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, None, log=lines.append)
+    tuner.next_tree()
     assert not [line for line in lines if line.startswith("tuning: measuring")]
     c = tuner.auto.cost.buckets[1]
     assert c.ar > 0 and c.draft > 0 and set(c.verify) == {4, 16, 64}
@@ -107,3 +110,79 @@ def test_treeflash_run_with_auto_settings(pair_dirs, tmp_path, monkeypatch):
     assert sum(out["tuning"]["settings_used"].values()) == out["rounds"] and "1" in out["tuning"]["cost_ms"]
     r = CliRunner().invoke(main, ["--artifacts", str(tmp_path), "--tree-size", "auto", "--prompt", "x"])
     assert r.exit_code != 0 and "an artifact keeps its manifest's tree settings" in r.output
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-dflash"])
+def test_the_engine_tunes_per_bucket_and_stays_exact(load, pair_dirs, tmp_path, name):
+    """Request slots with the self-tuning tree (cheap trees by hand, an oracle-free real drafter):
+    five requests through three slots, joining as others leave; each equals its own greedy decoding,
+    the tuner chose per batch bucket, and a DFlash drafter (no head) gets no TreeFlash setting."""
+    from treeflash_runtime.serving.engine import Engine, Request
+
+    pair = load(name)
+    runner = TorchRunner(pair.verifier, pair.drafter, max_batch=3, capacity=128,
+                         tree=TreeConfig(mode="treeflash" if pair.drafter.ar_approximation is not None else "marginal",
+                                         tree_size=16, top_m=4, top_k=8))
+    cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
+    tuner = tuner_for(runner, _sources(pair_dirs, name), tmp_path, cheap)
+    engine = Engine(runner, prefill_chunk=4, tuner=tuner)
+    texts = PROMPTS + ["x = [i * i for i in range(10)]", "Once upon a time"]
+    prompts = [pair.tokenizer(t)["input_ids"] for t in texts]
+    budgets = [12, 5, 9, 16, 7]
+    requests = [Request(ids, SamplingConfig(max_new_tokens=n)) for ids, n in zip(prompts, budgets)]
+    engine.run(requests)
+    for r, ids, n in zip(requests, prompts, budgets):
+        assert r.tokens == hf_greedy(pair.verifier, ids, n)
+    report = tuner.report()
+    assert len(report["choices"]) >= 2  # several buckets chose
+    assert all(int(b) in runner.buckets for b in report["choices"])
+    assert max(s.tree_size for s in tuner.auto.candidates) <= 16  # within the deployment's tree
+    if name == "qwen3-dflash":
+        assert not any(label.startswith("treeflash") for label in tuner.used)
+    assert not runner.observing and not runner.keep_context  # off once the engine is done
+    assert (tmp_path / "acceptance").is_dir() and list((tmp_path / "acceptance").iterdir())  # what it learnt is kept
+
+
+def test_defaults_are_auto_and_a_second_process_starts_calibrated(pair_dirs, tmp_path, monkeypatch):
+    """treeflash-run with no tree flag tunes (mode auto in the JSON); the next run reads the acceptance
+    model the first one saved; --retune starts afresh; explicit values are used as given."""
+    from treeflash_runtime.cli import main
+
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path / "cache"))
+    d = pair_dirs["qwen3"]
+    base = ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--prompt", PROMPTS[0],
+            "--max-new-tokens", "16", "--ignore-eos", "--json"]
+    plain = json.loads(CliRunner().invoke(main, base + ["--mode", "ar"]).stdout)["token_ids"]
+    first = CliRunner().invoke(main, base)
+    assert first.exit_code == 0, first.output
+    out = json.loads(first.stdout)
+    assert out["mode"] == "auto" and out["token_ids"] == plain and not out["tuning"]["resumed_acceptance"]
+    again = json.loads(CliRunner().invoke(main, base).stdout)
+    assert again["tuning"]["resumed_acceptance"] and again["token_ids"] == plain
+    fresh = json.loads(CliRunner().invoke(main, base + ["--retune"]).stdout)
+    assert not fresh["tuning"]["resumed_acceptance"]
+    fixed = json.loads(CliRunner().invoke(main, base + ["--mode", "treeflash", "--tree-size", "8", "--top-m", "2",
+                                                        "--top-k", "4"]).stdout)
+    assert fixed["mode"] == "treeflash" and "tuning" not in fixed or fixed.get("tuning") is None
+
+
+def test_bench_sweep_times_the_grid_beside_auto_and_plots(pair_dirs, tmp_path, monkeypatch):
+    from treeflash_runtime.bench.cli import main
+
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path / "cache"))
+    d = pair_dirs["qwen3"]
+    png = tmp_path / "sweep.png"
+    r = CliRunner().invoke(main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--prompt",
+                                  PROMPTS[0], "--max-new-tokens", "12", "--ignore-eos", "--sweep", "--sweep-sizes",
+                                  "4,8", "--sweep-top-m", "1,2", "--sweep-top-k", "4", "--plot", str(png), "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    settings = [row["setting"] for row in rep["rows"]]
+    assert settings[0] == "auto" and settings[-1] == "ar" and "chain" in settings
+    assert {"treeflash N=4 M=1 K=4", "treeflash N=8 M=2 K=4", "marginal N=8 K=4"} <= set(settings)
+    assert len(settings) == 1 + 4 + 2 + 1 + 1 and rep["identical_outputs"]
+    sw = rep["sweep"]
+    best = max((row for row in rep["rows"] if row["mode"] != "auto"), key=lambda row: row["tokens_per_s"])
+    assert sw["best"] == best["setting"] and sw["auto_vs_best"] == pytest.approx(
+        rep["rows"][0]["tokens_per_s"] / best["tokens_per_s"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
