@@ -181,8 +181,8 @@ def self_chat_prompts(verifier, tok, verifier_key: str, split: str, count: int, 
         raise ConfigError(f"--source {SOURCE} samples the user turns: --instruction-temperature must be > 0")
     avoid: set[str] = set()
     if split == "train":
-        held = self_chat_prompts(verifier, tok, verifier_key, "heldout", HELDOUT_POOL, cfg, work, lambda m: None,
-                                 world=world, pad_id=pad_id)
+        held = self_chat_prompts(verifier, tok, verifier_key, "heldout", HELDOUT_POOL, cfg, work, log, world=world,
+                                 pad_id=pad_id)
         avoid = {normalise(t) for t in held.texts}
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -198,7 +198,7 @@ def self_chat_prompts(verifier, tok, verifier_key: str, split: str, count: int, 
                 reasons = ", ".join(f"{n} {r}" for r, n in out.rejected.most_common())
                 raise ConfigError(f"{SOURCE}: only {len(out.ids)} of {count} {split} user turns were usable after "
                                   f"{i} tries ({reasons}); raise --instruction-tokens or --prompt-tokens")
-            want = min(limit - i, max(cfg.gen_batch, round((count - len(out.ids)) * 1.6) + 8))
+            want = min(limit - i, max(cfg.gen_batch, round((count - len(out.ids)) * 1.25) + 8))
             raw = _extend(raw, i + want, verifier, tok, split, cfg, path, log, world, pad_id)
         out.candidates += 1
         text, reason = finish_turn(raw[i], tok, stops, opener(split, cfg.seed, i))
