@@ -22,6 +22,11 @@ A point is 'fully observed' by a round when the round's tree held at least n-1 e
 was built with M >= M', K >= K'; points never fully observed use the average of the partial sums,
 a lower bound (a bigger tree only adds nodes).
 
+Points are seen whole by different rounds (a large tree only in the rounds that built one), and a
+point seen in a few lucky rounds would look better than one seen in many. So each point's gain is
+scaled by a ratio: the reference point's (smallest N, M, K, which every tree holds) average gain
+over all recent rounds, over its gain in the rounds that saw the point whole.
+
 Families: 'treeflash' (head-conditional scores) and 'marginal' (marginal scores; chain rounds feed
 its calibration too, their path is the marginal argmax). The chain keeps its own estimate: per-depth
 acceptance given the parent was accepted, each with the same Beta prior centred on the drafter's
@@ -165,11 +170,15 @@ class AcceptanceModel:
         self.ema = ema
         self.calibrators = {f: Calibrator(prior_strength, decay) for f in ("treeflash", "marginal")}
         self.chain = ChainEstimate(prior_strength, decay)
-        self.combos = {"treeflash": [(m, k) for m in top_ms for k in top_ks], "marginal": [(1, k) for k in top_ks]}
+        # Ascending, so combos[0] at sizes[0] is the reference point every tree holds (see expected).
+        self.combos = {"treeflash": [(m, k) for m in sorted(top_ms) for k in sorted(top_ks)],
+                       "marginal": [(1, k) for k in sorted(top_ks)]}
         shape = lambda f: (len(self.combos[f]), len(self.sizes))  # noqa: E731
         # Per family: statistics [combos, sizes, 2 * NBINS] (counts, then exp-sums) and their EMA weights.
         self.full = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
         self.full_w = {f: np.zeros(shape(f)) for f in self.combos}
+        # The reference point's statistics over the same rounds as each point's `full` average (see expected).
+        self.full_ref = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
         self.partial = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
         self.partial_w = {f: np.zeros(shape(f)) for f in self.combos}
         self.rounds = 0
@@ -233,6 +242,11 @@ class AcceptanceModel:
                 & informed[:, None])  # [C, S]
         part = np.broadcast_to(informed[:, None], full.shape)
         a = self.ema
+        if full[0, 0]:  # the reference point (smallest M, K and N) beside every point this round saw whole
+            ref = self.full_ref[fam]
+            ref[full] = (1 - a) * ref[full] + a * stats[0, 0]
+        else:  # rare (a round too small for the reference): its points keep their reference in step
+            full = np.zeros_like(full)
         for upd, vals, wts in ((part, self.partial[fam], self.partial_w[fam]),
                                (full, self.full[fam], self.full_w[fam])):
             vals[upd] = (1 - a) * vals[upd] + a * stats[upd]
@@ -276,13 +290,21 @@ class AcceptanceModel:
         c, i = self._combo_at[fam].get((m, s.top_k)), self._size_at.get(s.tree_size)
         if c is None or i is None:
             return None
+        coef = self._coef(fam, stream)
         if self.full_w[fam][c, i] > 0:
-            stats = self.full[fam][c, i] / self.full_w[fam][c, i]
-        elif self.partial_w[fam][c, i] > 0:
-            stats = self.partial[fam][c, i] / self.partial_w[fam][c, i]
-        else:
-            return None
-        return 1.0 + float(stats @ self._coef(fam, stream))
+            w = self.full_w[fam][c, i]
+            gain = float(self.full[fam][c, i] @ coef) / w
+            # Ratio estimator: the rounds that saw this point whole may have been luckier (or not) than
+            # recent traffic; scale its gain by the reference point's gain over all recent rounds
+            # against its gain over those same rounds, so settings seen in different rounds compare fairly.
+            same = float(self.full_ref[fam][c, i] @ coef) / w
+            recent = float(self.full[fam][0, 0] @ coef) / self.full_w[fam][0, 0]
+            if same > 1e-6 and recent > 0:
+                gain *= recent / same
+            return 1.0 + gain
+        if self.partial_w[fam][c, i] > 0:
+            return 1.0 + float(self.partial[fam][c, i] @ coef) / self.partial_w[fam][c, i]
+        return None
 
     # ---- persistence ---------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -295,7 +317,7 @@ class AcceptanceModel:
                 "chain": {"reached": {str(d): v for d, v in self.chain.reached.items()},
                           "acc": {str(d): v for d, v in self.chain.acc.items()},
                           "step_p": {str(d): list(v) for d, v in self.chain.step_p.items()}},
-                "curves": {f: {"full": arr(self.full[f]), "full_w": arr(self.full_w[f]),
+                "curves": {f: {"full": arr(self.full[f]), "full_w": arr(self.full_w[f]), "full_ref": arr(self.full_ref[f]),
                                "partial": arr(self.partial[f]), "partial_w": arr(self.partial_w[f])}
                            for f in self.combos}}
 
@@ -310,8 +332,9 @@ class AcceptanceModel:
         shaped = {}
         for f in self.combos:
             c = d["curves"][f]
-            shaped[f] = {k: np.asarray(c[k], dtype=float) for k in ("full", "full_w", "partial", "partial_w")}
-            if shaped[f]["full"].shape != self.full[f].shape or shaped[f]["full_w"].shape != self.full_w[f].shape:
+            shaped[f] = {k: np.asarray(c[k], dtype=float) for k in ("full", "full_w", "full_ref", "partial", "partial_w")}
+            if (shaped[f]["full"].shape != self.full[f].shape or shaped[f]["full_w"].shape != self.full_w[f].shape
+                    or shaped[f]["full_ref"].shape != self.full[f].shape):
                 raise ValueError(f"curves of family {f} have another shape")
         cals = {}
         for f in self.calibrators:
@@ -326,11 +349,26 @@ class AcceptanceModel:
         for f, (acc, seen) in cals.items():  # nothing is changed before everything has been read
             self.calibrators[f].acc, self.calibrators[f].seen = acc, seen
         for f, c in shaped.items():
-            self.full[f], self.full_w[f], self.partial[f], self.partial_w[f] = (
-                c["full"], c["full_w"], c["partial"], c["partial_w"])
+            self.full[f], self.full_w[f], self.full_ref[f], self.partial[f], self.partial_w[f] = (
+                c["full"], c["full_w"], c["full_ref"], c["partial"], c["partial_w"])
         self.chain.reached, self.chain.acc, self.chain.step_p = chain
         self.rounds = int(d.get("rounds", 0))
         self._coef_memo.clear()
+
+    def support(self, s: Setting) -> float:
+        """About how many recent rounds inform the prediction of s (from the averages' weights: a
+        weight w after n rounds is 1 - (1 - ema)^n); the chain: the rounds that reached depth 1."""
+        if s.mode == "ar":
+            return float("inf")
+        if s.mode == "chain":
+            return float(self.chain.reached.get(1, 0.0))
+        fam = _family(s.mode)
+        c = self._combo_at[fam].get((1 if fam == "marginal" else s.top_m, s.top_k))
+        i = self._size_at.get(s.tree_size)
+        if c is None or i is None:
+            return 0.0
+        w = self.full_w[fam][c, i] if self.full_w[fam][c, i] > 0 else self.partial_w[fam][c, i]
+        return float(np.log1p(-min(w, 1 - 1e-12)) / np.log1p(-self.ema))
 
     def observed(self, s: Setting) -> bool:
         """Whether some round held the whole of setting s's tree (its prediction is not a lower bound)."""

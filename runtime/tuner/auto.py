@@ -15,11 +15,14 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
   step's measured gain and the prior's gain (the expected tokens are concave in each field); a
   neighbour whose optimistic rate beats the choice by the hysteresis runs once. Once observed it
   is known, so growth stops where the gains stop paying.
-- refreshing: every `explore_every` rounds of a bucket the best setting of another family (or,
-  while plain decoding is chosen, the best tree) runs once, so estimates of what is not being run
-  stay current; the interval doubles (up to `max_explore_every`) while refreshing changes nothing.
-- margin: a tree is chosen over plain decoding only when predicted `margin` faster (5%): the
-  predictions err, and the promise is never to be slower than plain decoding.
+- refreshing: every `explore_every` rounds of a bucket one round runs, in turn, the challenger
+  (the best tree before the margins below, which one more round supports better) or the best
+  setting of another family (or, while plain decoding is chosen, the best tree), so estimates of
+  what is not being run stay current; the interval doubles (up to `max_explore_every`) while
+  refreshing changes nothing.
+- margin: a tree is chosen over plain decoding only when predicted `margin` faster (5%), and by
+  more while few rounds support a setting's prediction (`required_margin`): the predictions err,
+  most of all early, and the promise is never to be slower than plain decoding.
 - settling: after `settle_after` choices in a bucket, TreeFlash's M and K stay at those chosen
   most, and only N (and the mode) is chosen per round: few settings per bucket (on a GPU each is
   a captured graph). A refresh round lets them move again.
@@ -48,10 +51,10 @@ FAMILIES = ("treeflash", "marginal", "chain")
 class AutoTuner:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, candidates: list[Setting], block_size: int,
                  hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
-                 max_explore_every: int = 512, margin: float = 0.05):
+                 max_explore_every: int = 512, margin: float = 0.05, doubt: float = 0.5):
         self.cost, self.acceptance, self.block_size = cost, acceptance, block_size
         self.candidates = list(candidates)
-        self.hysteresis, self.plain, self.margin = hysteresis, plain, margin
+        self.hysteresis, self.plain, self.margin, self.doubt = hysteresis, plain, margin, doubt
         self.explore_every, self.max_explore_every, self.settle_after = explore_every, max_explore_every, settle_after
         self.current: dict[int, Setting] = {}
         self.choices: dict[int, Choice] = {}
@@ -141,19 +144,48 @@ class AutoTuner:
         return [s for s in self.candidates if s.mode != "treeflash" or (s.top_m, s.top_k) == settled]
 
     def _choose(self, bucket: int, stream: RequestStream | None) -> Choice | None:
+        """The best tree (rates discounted by `tree_margin`), then that tree or plain decoding (the
+        tree's rate discounted by `required_margin`)."""
+        current = self.current.get(bucket)
         try:
-            return choose(self.cost, self.acceptance, bucket, self._candidates(bucket), self.current.get(bucket),
-                          self.hysteresis, stream, self.block_size, self.plain, self.margin)
+            best = choose(self.cost, self.acceptance, bucket, self._candidates(bucket), current, self.hysteresis,
+                          stream, self.block_size, plain=False, margin=self.tree_margin)
         except ConfigError:  # nothing predictable yet
             return None
+        if not self.plain:
+            return best
+        return choose(self.cost, self.acceptance, bucket, [best.setting], current if current in (PLAIN, best.setting)
+                      else None, self.hysteresis, stream, self.block_size, plain=True, margin=self.required_margin)
+
+    def tree_margin(self, s: Setting) -> float:
+        """The discount trees compete on among themselves: a little while few rounds support s."""
+        return self.doubt / 5 / (1.0 + self.acceptance.support(s)) ** 0.5
+
+    def required_margin(self, s: Setting) -> float:
+        """How much faster than plain decoding a tree must be predicted: `margin`, plus `doubt` while
+        few rounds support the prediction of s (doubt / sqrt(1 + rounds): +35% after one round, +10%
+        after 24, +5% after 99). Among themselves trees compete with a fifth of that doubt
+        (`tree_margin`), so a setting seen in one lucky round does not win over one seen in many
+        (the largest of many noisy estimates is biased upwards) but a better one soon does."""
+        return self.margin + self.doubt / (1.0 + self.acceptance.support(s)) ** 0.5
 
     def _refresh_setting(self, bucket: int, current: Setting | None) -> Setting | None:
-        """The setting a refresh round runs: the best-predicted setting of the next family in turn
+        """The setting a refresh round runs, in turn: the challenger (the tree setting other than the
+        current one with the best rate before the margins: the one the margins may be wrongly holding
+        back, which one more round supports better), or the best-predicted setting of the next family
         other than the current one (any family while plain decoding runs), over all M and K."""
+        self._next_family += 1
+        if self._next_family % 2:
+            others = [s for s in self.candidates if s != current and s.mode != "ar"
+                      and can_pay(self.cost, s, bucket, self.block_size)]
+            try:
+                return choose(self.cost, self.acceptance, bucket, others, None, 0.0, None, self.block_size,
+                              plain=False).setting
+            except ConfigError:
+                pass
         fams = [f for f in self.families() if current is None or f != current.mode]
-        for _ in range(len(fams)):
-            f = fams[self._next_family % len(fams)]
-            self._next_family += 1
+        for i in range(len(fams)):
+            f = fams[(self._next_family // 2 + i) % len(fams)]
             cands = [s for s in self.candidates if s.mode == f and can_pay(self.cost, s, bucket, self.block_size)]
             try:
                 return choose(self.cost, self.acceptance, bucket, cands, None, 0.0, None, self.block_size,

@@ -67,7 +67,7 @@ def score(cost: CostModel, acceptance: AcceptanceModel, bucket: int, candidates:
 
 def choose(cost: CostModel, acceptance: AcceptanceModel, bucket: int, candidates: list[Setting],
            current: Setting | None = None, hysteresis: float = 0.03, stream: RequestStream | None = None,
-           block_size: int | None = None, plain: bool = True, margin: float = 0.0) -> Choice:
+           block_size: int | None = None, plain: bool = True, margin=0.0) -> Choice:
     """The candidate with the most expected tokens per second at this batch bucket.
 
     Plain decoding is always a candidate (the fallback by construction) unless plain=False, which
@@ -75,13 +75,15 @@ def choose(cost: CostModel, acceptance: AcceptanceModel, bucket: int, candidates
     setting is kept while the best beats it by no more than `hysteresis` (a fraction) and it is not
     predicted slower than plain decoding. Ties go to the cheaper round. margin: a tree must be
     predicted this fraction faster than plain decoding to be chosen over it (predictions err, and
-    the promise is never to be slower than plain decoding)."""
+    the promise is never to be slower than plain decoding); a number, or a function of the setting
+    (a larger margin where fewer rounds support its prediction)."""
     cands = list(dict.fromkeys(([PLAIN] if plain else []) + list(candidates)))
     scored = score(cost, acceptance, bucket, cands, stream, block_size)
     if not scored:
         raise ConfigError("no candidate setting has an acceptance estimate yet; run a round at one first")
     rate = {s: 1000.0 * t / ms if ms > 0 else float("inf") for s, t, ms in scored}
-    rank = {s: r * (1.0 + margin) if s == PLAIN else r for s, r in rate.items()}
+    need = margin if callable(margin) else (lambda s: margin)
+    rank = {s: r if s == PLAIN else r / (1.0 + need(s)) for s, r in rate.items()}
     ranked = sorted(scored, key=lambda x: (-rank[x[0]], x[2]))
     plain = rate.get(PLAIN)
     best, kept = ranked[0], False
