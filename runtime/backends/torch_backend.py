@@ -510,10 +510,18 @@ class TorchRunner(Runner):
             st.obs_accepted[:b, :N] = on_path.scatter(1, path, ids[None, :] < tau[:, None])
 
     def _keep_context(self, b: int, feats: torch.Tensor, bound: int) -> None:
-        """Plain decoding inside a speculative generation: the pending context enters the drafter's
-        cache now and the step's own features become the pending context, so a tree round may follow."""
+        """Plain decoding inside a speculative generation: the step's own features join the pending
+        context, so a tree round may follow. On the CPU they are appended while the pending buffer has
+        room (the next drafter pass takes them all at once); on CUDA, where the round is one fixed-shape
+        graph, the pending context enters the drafter's cache now and the step's features replace it."""
         st = self.state
         count, active = st.pending_count[:b], st.active[:b]
+        if self.device.type == "cpu" and int(count.max()) < st.pending.shape[1]:
+            rows = torch.arange(b, device=self.device)
+            keep = torch.where(active, count, torch.zeros_like(count))
+            st.pending[rows, keep] = torch.where(active[:, None], feats[:, 0].to(st.pending.dtype), st.pending[rows, keep])
+            st.pending_count[:b] = torch.where(active, count + 1, count)
+            return
         self.drafter.model.forward_cached(st.pending[:b], st.past_len[:b] - count, count, None,
                                           self._first(st.draft_kv, b), key_bound=bound)
         st.pending[:b, :1] = torch.where(active[:, None, None], feats[:, :1].to(st.pending.dtype), st.pending[:b, :1])

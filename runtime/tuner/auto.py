@@ -66,6 +66,7 @@ class AutoTuner:
         self._next_family = 0
         self._picked: dict[int, Counter] = {}  # bucket -> (M, K) of TreeFlash choices so far
         self.settled: dict[int, tuple[int, int]] = {}  # bucket -> TreeFlash's (M, K)
+        self._memo: dict[int, tuple] = {}  # bucket -> (what the choice depended on, the choice)
 
     # ------------------------------------------------------------------ what to explore
     def families(self) -> list[str]:
@@ -147,11 +148,20 @@ class AutoTuner:
         """The best tree (rates discounted by `tree_margin`), then that tree or plain decoding (the
         tree's rate discounted by `required_margin`)."""
         current = self.current.get(bucket)
+        key = (self.acceptance.rounds, current, id(stream))
+        if self._memo.get(bucket, (None,))[0] == key:  # nothing observed since (plain rounds teach nothing)
+            return self._memo[bucket][1]
+        choice = self._choose_now(bucket, stream, current)
+        self._memo[bucket] = (key, choice)
+        return choice
+
+    def _choose_now(self, bucket: int, stream: RequestStream | None, current: Setting | None) -> Choice | None:
         try:
             best = choose(self.cost, self.acceptance, bucket, self._candidates(bucket), current, self.hysteresis,
                           stream, self.block_size, plain=False, margin=self.tree_margin)
-        except ConfigError:  # nothing predictable yet
-            return None
+        except ConfigError:  # no tree predictable yet (none could pay, so none was explored)
+            return choose(self.cost, self.acceptance, bucket, [], None, 0.0, stream, self.block_size) \
+                if self.plain else None
         if not self.plain:
             return best
         return choose(self.cost, self.acceptance, bucket, [best.setting], current if current in (PLAIN, best.setting)
@@ -222,6 +232,7 @@ class AutoTuner:
                 self._refreshed[bucket] = choice.setting
                 self.settled.pop(bucket, None)
                 self._picked.pop(bucket, None)
+                self._memo.pop(bucket, None)
                 return refresh
         grow = self.grow_setting(choice, bucket)
         if grow is not None:
@@ -236,6 +247,7 @@ class AutoTuner:
         picked[(s.top_m, s.top_k)] += 1
         if sum(picked.values()) >= self.settle_after:
             self.settled[bucket] = picked.most_common(1)[0][0]
+            self._memo.pop(bucket, None)
 
     def observe(self, obs: Observation | None, stream: RequestStream | None = None) -> None:
         """After a round: its observation (None for a plain decoding round, which teaches nothing)."""
