@@ -12,7 +12,9 @@ Runner attributes); nothing here imports a backend or holds a tensor of the roun
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from .setting import FIELDS, Setting, candidate_settings
 
 MAX_TREE = 64  # the largest tree the tuner builds (the runner reports rounds up to this size)
 PROBE_PROMPT = 64  # committed tokens while the parts are timed
+SAVE_EVERY_S = 30.0  # the acceptance model goes to disk at most this often (and at exit)
 
 
 def runner_modes(runner) -> tuple[str, ...]:
@@ -103,6 +106,8 @@ class TreeTuner:
         self.store, self.store_key, self.log = store, store_key, log
         self.resumed = False  # whether the acceptance model was read from an earlier run
         self._note: str | None = None
+        self._saved_at = -float("inf")
+        self._at_exit = False
         self.fixed_mode: str | None = None  # the mode the user gave (the tuner then chooses only N, M, K)
         self.max_tree_size = max(s.tree_size for s in auto.candidates)  # what the caches must leave room for
         self.drafter_temperature = drafter_temperature
@@ -143,10 +148,18 @@ class TreeTuner:
                            if tuner.resumed else None)
         return tuner
 
-    def save(self) -> None:
-        """Keeps what this deployment learnt for the next process (atomic; a failure only logs)."""
+    def save(self, force: bool = False) -> None:
+        """Keeps what this deployment learnt for the next process (atomic; a failure only logs): at most
+        every SAVE_EVERY_S seconds unless forced, and once more when the process exits."""
         if self.store is None or self.store_key is None:
             return
+        now = time.monotonic()
+        if not force and now - self._saved_at < SAVE_EVERY_S:
+            if not self._at_exit:
+                atexit.register(self.save, True)
+                self._at_exit = True
+            return
+        self._saved_at = now
         try:
             self.store.save(self.store_key, self.auto.acceptance)
         except OSError as exc:
