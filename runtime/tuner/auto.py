@@ -19,7 +19,8 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
   (the best tree before the margins below, which one more round supports better) or the best
   setting of another family (or, while plain decoding is chosen, the best tree), so estimates of
   what is not being run stay current; the interval doubles (up to `max_explore_every`) while
-  refreshing changes nothing.
+  refreshing changes nothing, and a refresh waits until its round costs at most `explore_share`
+  (5%) of the time spent since the last one (a tree round of 8 slots may cost several plain ones).
 - margin: a tree is chosen over plain decoding only when predicted `margin` faster (5%), and by
   more while few rounds support a setting's prediction (`required_margin`): the predictions err,
   most of all early, and the promise is never to be slower than plain decoding.
@@ -51,10 +52,12 @@ FAMILIES = ("treeflash", "marginal", "chain")
 class AutoTuner:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, candidates: list[Setting], block_size: int,
                  hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
-                 max_explore_every: int = 512, margin: float = 0.05, doubt: float = 0.5):
+                 max_explore_every: int = 512, margin: float = 0.05, doubt: float = 0.5,
+                 explore_share: float = 0.05):
         self.cost, self.acceptance, self.block_size = cost, acceptance, block_size
         self.candidates = list(candidates)
         self.hysteresis, self.plain, self.margin, self.doubt = hysteresis, plain, margin, doubt
+        self.explore_share = explore_share
         self.explore_every, self.max_explore_every, self.settle_after = explore_every, max_explore_every, settle_after
         self.current: dict[int, Setting] = {}
         self.choices: dict[int, Choice] = {}
@@ -225,8 +228,14 @@ class AutoTuner:
         self._settle(bucket, choice.setting)
         self._since[bucket] += 1
         if self.explore_every and self._since[bucket] >= self._gap.get(bucket, self.explore_every):
-            self._since[bucket] = 0
             refresh = self._refresh_setting(bucket, choice.setting)
+            # A refresh round may cost several of the chosen ones: it waits until it is at most
+            # `explore_share` of the time spent since the last one.
+            spent = self._since[bucket] * self.cost.round_ms(choice.setting, bucket)
+            if refresh is not None and self.cost.round_ms(refresh, bucket) > self.explore_share * spent:
+                refresh = None
+            else:
+                self._since[bucket] = 0
             if refresh is not None:
                 self.explored["refresh"] += 1
                 self._refreshed[bucket] = choice.setting

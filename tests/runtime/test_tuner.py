@@ -468,7 +468,8 @@ def test_the_tuner_grows_from_a_small_seed_only_while_growing_pays():
     cands = candidate_settings(("ar", "treeflash"), B, fixed={"top_m": 1}, top_ks=(4, 8))
     cost = CostModel({1: BucketCosts(ar=10, draft=1, verify={4: 10, 8: 10.2, 16: 10.5, 64: 12},
                                      expand={(1, 8): 0.3}, tree={4: 0.1, 64: 0.3}, other=0.5)})
-    tuner = AutoTuner(cost, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8)
+    tuner = AutoTuner(cost, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8,
+                      explore_share=1.0)
     tuner.seed_setting = lambda family, bucket: Setting("treeflash", 8, 1, 8)  # start small on purpose
     picked = run_rounds(tuner, rng, 80, alpha=1.0)
     assert picked[0] == Setting("treeflash", 8, 1, 8)
@@ -492,12 +493,22 @@ def test_refreshes_back_off_while_they_change_nothing():
     dear = CostModel({1: BucketCosts(ar=10, draft=5, verify={4: 14, 64: 80}, expand={(1, 8): 8}, tree={4: 1, 64: 2},
                                      other=1)})
     tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8,
-                      max_explore_every=64)
+                      max_explore_every=64, explore_share=1.0)
     picked = run_rounds(tuner, rng, 300, alpha=3.0)  # a drafter far less right than it thinks
     trees = [i for i, s in enumerate(picked) if s.mode != "ar"]
     assert picked[-1] == PLAIN and 3 <= len(trees) <= 12, trees
     gaps = np.diff(trees[1:])
     assert gaps[-1] > gaps[0] and gaps[-1] >= 32, gaps
+    # With a budget: a refresh round (here about 2.9 plain steps) waits until it is at most 5% of the
+    # time since the last one, so refreshes are rarer and take at most about 5% of the rounds' time.
+    rng = np.random.default_rng(5)
+    tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8,
+                      max_explore_every=64)
+    picked = run_rounds(tuner, rng, 300, alpha=3.0)
+    refreshes = [i for i, s in enumerate(picked) if s.mode != "ar"][tuner.explored["seed"]:]
+    assert refreshes and refreshes[0] >= 55 and min(np.diff(refreshes)) >= 55, refreshes
+    spent = sum(dear.round_ms(s) for s in picked[refreshes[0]:])
+    assert sum(dear.round_ms(picked[i]) for i in refreshes) <= 0.08 * spent
 
 
 def test_m_and_k_settle_and_then_only_n_moves():
