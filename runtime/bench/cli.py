@@ -78,6 +78,8 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--top-m", type=int, default=TreeConfig.top_m)
 @click.option("--top-k", type=int, default=TreeConfig.top_k)
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable). [default: three built-in prompts]")
+@click.option("--chat", is_flag=True, help="Wrap each --prompt in the tokenizer's chat template (as treeflash-run "
+              "--chat does).")
 @click.option("--heldout-prompts", type=int, default=0,
               help="Instead, K prompts cut from the held-out part of the training corpus (never trained on).")
 @click.option("--heldout-domain", type=click.Choice(["code", "chat-stdlib", "chat-prose", "chat-self"]),
@@ -140,7 +142,7 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (inside the CUDA graph where graphs "
                    "are on, else eagerly and synchronised; not with --compile).")
-def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_top_m, sweep_top_k, plot, tree_sizes, top_m, top_k, prompts, heldout_prompts,
+def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_top_m, sweep_top_k, plot, tree_sizes, top_m, top_k, prompts, chat, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
          concurrency, openai_url, api_key, requests, server_model, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
          cuda_graphs, compile_steps, fast_kernels, batch_sizes, slot_costs, stages):
@@ -174,7 +176,7 @@ def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_t
         return
     try:
         source = (("heldout", heldout_prompts, prompt_tokens, heldout_domain) if heldout_prompts
-                  else list(prompts) or list(DEFAULT_PROMPTS))
+                  else ("chat", list(prompts) or list(DEFAULT_PROMPTS)) if chat else list(prompts) or list(DEFAULT_PROMPTS))
         grid = None
         if sweep:
             grid = tuple([int(x) for x in _split(v)] for v in (sweep_sizes, sweep_top_m, sweep_top_k))
@@ -318,6 +320,12 @@ def _openai_main(url, api_key, prompts, max_new_tokens, concurrency, requests, i
 
 
 def _prompt_ids(source, tokenizer, model=None) -> list[list[int]]:
+    if isinstance(source, tuple) and source[0] == "chat":
+        from ..serving.text import encode_chat
+
+        if not getattr(tokenizer, "chat_template", None):
+            raise TreeFlashError("--chat: this tokenizer has no chat template")
+        return [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in source[1]]
     if isinstance(source, tuple):  # ("heldout", count, length, domain): held-out material of a training source
         import random
 
