@@ -150,8 +150,10 @@ def generate(
         while not done:
             if tuner is not None and stats.rounds:
                 runner.set_tree(tuner.next_tree())
+            t_round = time.perf_counter()
             gained = runner.round()
             if tuner is not None:
+                tuner.round_took(time.perf_counter() - t_round)
                 tuner.after_round(runner, gained=len(gained))
             stats.rounds += 1
             stats.accept_lengths.append(len(gained))

@@ -97,7 +97,10 @@ class Engine:
             if self.tuner is not None:
                 b = runner.bucket_for(sched.occupied)
                 runner.set_bucket_tree(b, self.tuner.next_tree(b))
+            t_round = time.perf_counter()
             gained = runner.step(sched.occupied)
+            if self.tuner is not None:
+                self.tuner.round_took(time.perf_counter() - t_round, b)
             self.rounds_by_batch[len(running)] = self.rounds_by_batch.get(len(running), 0) + 1
             for request in running:
                 request.accept_lengths.append(len(gained[request.slot]))

@@ -49,12 +49,40 @@ PRIOR_GAIN = 0.75  # tokens gained per doubling of the tree before any round say
 FAMILIES = ("treeflash", "marginal", "chain")
 
 
+class Realised:
+    """The measured cost model, corrected by what rounds really take on the way (Python, read-backs,
+    caches warmer or colder than the probe's): per bucket, a moving average of measured over predicted
+    round time, one for plain decoding and one for trees, each kept within [0.5, 2]."""
+
+    def __init__(self, model: CostModel, ema: float = 0.1):
+        self.model, self.ema = model, ema
+        self.ratio: dict[tuple[int, bool], float] = {}
+
+    def round_ms(self, s: Setting, b: int = 1) -> float:
+        return self.model.round_ms(s, b) * self.ratio.get((b, s.mode == "ar"), 1.0)
+
+    def observe(self, s: Setting, b: int, ms: float) -> None:
+        predicted = self.model.round_ms(s, b)
+        if predicted <= 0 or ms <= 0:
+            return
+        key = (b, s.mode == "ar")
+        r = min(2.0, max(0.5, ms / predicted))
+        self.ratio[key] = (1 - self.ema) * self.ratio.get(key, 1.0) + self.ema * r  # from the probe's 1.0
+
+    def version(self, b: int) -> tuple:
+        """What the corrections are now, coarsely (a choice made under them stays valid while it holds)."""
+        return tuple(round(self.ratio.get((b, k), 1.0), 2) for k in (True, False))
+
+    def __getattr__(self, name):  # everything else: the measured model's
+        return getattr(self.model, name)
+
+
 class AutoTuner:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, candidates: list[Setting], block_size: int,
                  hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
                  max_explore_every: int = 512, margin: float = 0.05, doubt: float = 0.5,
                  explore_share: float = 0.05):
-        self.cost, self.acceptance, self.block_size = cost, acceptance, block_size
+        self.cost, self.acceptance, self.block_size = Realised(cost), acceptance, block_size
         self.candidates = list(candidates)
         self.hysteresis, self.plain, self.margin, self.doubt = hysteresis, plain, margin, doubt
         self.explore_share = explore_share
@@ -151,7 +179,7 @@ class AutoTuner:
         """The best tree (rates discounted by `tree_margin`), then that tree or plain decoding (the
         tree's rate discounted by `required_margin`)."""
         current = self.current.get(bucket)
-        key = (self.acceptance.rounds, current, id(stream))
+        key = (self.acceptance.rounds, current, id(stream), self.cost.version(bucket))
         if self._memo.get(bucket, (None,))[0] == key:  # nothing observed since (plain rounds teach nothing)
             return self._memo[bucket][1]
         choice = self._choose_now(bucket, stream, current)
@@ -258,6 +286,10 @@ class AutoTuner:
             self.settled[bucket] = picked.most_common(1)[0][0]
             self._memo.pop(bucket, None)
 
+    def observe_time(self, s: Setting, bucket: int, ms: float) -> None:
+        """How long a round at s really took (wall clock, the whole round as the caller sees it)."""
+        self.cost.observe(s, bucket, ms)
+
     def observe(self, obs: Observation | None, stream: RequestStream | None = None) -> None:
         """After a round: its observation (None for a plain decoding round, which teaches nothing)."""
         self.rounds += 1
@@ -269,4 +301,6 @@ class AutoTuner:
         TreeFlash's settled (M, K) per bucket."""
         return {"rounds": self.rounds, "choices": {str(b): c.to_json() for b, c in sorted(self.choices.items())},
                 "exploration_rounds": dict(self.explored),
-                "settled_top_m_top_k": {str(b): list(mk) for b, mk in sorted(self.settled.items())}}
+                "settled_top_m_top_k": {str(b): list(mk) for b, mk in sorted(self.settled.items())},
+                "measured_over_predicted_ms": {f"{b} {'plain' if plain else 'tree'}": r
+                                               for (b, plain), r in sorted(self.cost.ratio.items())}}

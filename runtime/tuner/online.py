@@ -107,6 +107,7 @@ class TreeTuner:
         self.resumed = False  # whether the acceptance model was read from an earlier run
         self._note: str | None = None
         self._saved_at = -float("inf")
+        self._timed: set = set()  # (bucket, setting) pairs whose first round has run
         self._at_exit = False
         self.fixed_mode: str | None = None  # the mode the user gave (the tuner then chooses only N, M, K)
         self.max_tree_size = max(s.tree_size for s in auto.candidates)  # what the caches must leave room for
@@ -201,6 +202,14 @@ class TreeTuner:
         self.used[s.label()] += 1
         return TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k,
                           drafter_temperature=self.drafter_temperature)
+
+    def round_took(self, seconds: float, bucket: int = 1) -> None:
+        """The wall-clock time of the round that just ran (corrects the cost model's predictions). The
+        first round of each setting and bucket is left out: on CUDA it captures the setting's graph."""
+        key = (bucket, self.current)
+        if self.current is not None and key in self._timed:
+            self.auto.observe_time(self.current, bucket, 1000.0 * seconds)
+        self._timed.add(key)
 
     def after_round(self, runner, slot: int = 0, gained: int | None = None) -> None:
         """Feeds the round that just ran (the runner's report of its nodes) to the acceptance model;

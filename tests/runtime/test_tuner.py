@@ -577,3 +577,29 @@ def test_a_tree_must_beat_plain_decoding_by_the_margin():
         c = choose(cost, FixedAcceptance(lambda s, t=tokens: t), 1, cands, margin=0.05)
         assert c.setting == want, (tokens, c)
     assert choose(cost, FixedAcceptance(lambda s: 2.06), 1, cands).setting == cands[0]  # no margin: the tree
+
+
+def test_measured_round_times_correct_the_predictions():
+    from treeflash_runtime.tuner.auto import Realised
+
+    cost = cheap_verify_cost()
+    real = Realised(cost, ema=0.5)
+    tree = Setting("treeflash", 16, 4, 16)
+    base = cost.round_ms(tree)
+    for _ in range(20):
+        real.observe(tree, 1, 1.5 * base)  # trees take half again what the probe predicted
+    assert real.round_ms(tree) == pytest.approx(1.5 * base, rel=1e-3)
+    assert real.round_ms(PLAIN) == pytest.approx(cost.round_ms(PLAIN))  # plain decoding has its own ratio
+    real.observe(PLAIN, 1, 100 * cost.round_ms(PLAIN))  # one outlier moves it by at most ema x 2
+    assert real.round_ms(PLAIN) <= 1.5 * cost.round_ms(PLAIN)
+    assert real.buckets is cost.buckets  # the rest is the measured model's
+    # The tuner decides with the corrected times: trees twice as dear make plain decoding win.
+    tuner = AutoTuner(cost, AcceptanceModel(), ALL, B)
+    tuner.acceptance = FixedAcceptance(lambda s: 1.5)
+    tuner.acceptance.rounds, tuner.acceptance.support = 100, (lambda s: 100.0)
+    assert tuner._choose(1, None).setting.mode != "ar"
+    for s in ALL:
+        tuner.observe_time(s, 1, 2.0 * cost.round_ms(s, 1) if s.mode != "ar" else cost.round_ms(s, 1))
+    tuner.acceptance.rounds = 101
+    assert tuner._choose(1, None).setting == PLAIN
+    assert tuner.report()["measured_over_predicted_ms"]["1 tree"] > 1.5
