@@ -123,7 +123,7 @@ class TreeTuner:
         """fixed: the settings the user gave (field -> value); the others are chosen. The cost model is
         measured on first use for this pair, device, dtype and backend, then read from the cache. The
         acceptance model starts from what earlier generations with this pair learnt (``store``; False:
-        start afresh and keep nothing) and is saved after each generation."""
+        start afresh and keep nothing) and is saved as it learns (TreeTuner.save)."""
         fixed = {k: v for k, v in fixed.items() if k in FIELDS and v is not None}
         modes = runner_modes(runner)
         candidates = candidate_settings(modes, runner.block_size, largest_tree(runner), fixed=fixed)
@@ -164,8 +164,11 @@ class TreeTuner:
         try:
             self.store.save(self.store_key, self.auto.acceptance)
         except OSError as exc:
-            if self.log:
-                self.log(f"tuning: could not save the acceptance model ({exc})")
+            try:
+                if self.log:
+                    self.log(f"tuning: could not save the acceptance model ({exc})")
+            except (OSError, ValueError):  # at exit the log's stream may be closed already
+                pass
 
     @contextlib.contextmanager
     def driving(self, runner):
