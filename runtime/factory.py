@@ -89,9 +89,11 @@ def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | N
                            backend: str = "onnxruntime", device: str = "auto", dtype: str = "auto",
                            verify_checksums: bool = True, cuda_graphs: bool = True,
                            compile_steps: bool = False, fast_kernels: bool | None = None, log=None,
-                           max_batch: int = 0, tree_size_by_batch: dict[int, int] | None = None) -> Session:
+                           max_batch: int = 0, tree_size_by_batch: dict[int, int] | None = None,
+                           tune: bool = False) -> Session:
     """requested: tree settings given by the user (None = take the artifact's); mode 'ar' is
-    plain decoding over the artifact's verify graph."""
+    plain decoding over the artifact's verify graph. tune (torch backend): the self-tuning tree
+    chooses each round's tree within the artifact's (Session.tuner)."""
     from treeflash_export.export.artifact import check_tree_request, load_artifact
     from treeflash_export.checkpoints import load_tokenizer
 
@@ -115,7 +117,14 @@ def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | N
                                         device, art.dtype, log=log, cuda_graphs=cuda_graphs,
                                         compile_steps=compile_steps, fast_kernels=fast_kernels,
                                         max_batch=max_batch, tree_size_by_batch=tree_size_by_batch)
-        return Session(sess.runner, tok, tree, art.stop_token_ids, art.dtype, {**stages, **sess.load_stages_s})
+        out = Session(sess.runner, tok, tree, art.stop_token_ids, art.dtype, {**stages, **sess.load_stages_s},
+                      sources=sess.sources)
+        if tune and tree.mode != "ar":
+            from .tuner.online import TreeTuner
+
+            out.tuner = TreeTuner.for_runner(sess.runner, {}, sources=sess.sources, dtype=art.dtype, log=log,
+                                             drafter_temperature=tree.drafter_temperature)
+        return out
     cls = get_runner_class(backend)
     t0 = time.perf_counter()
     runner = cls(art) if backend == "onnxruntime" else cls(art, device="cuda" if device == "auto" else device)

@@ -261,9 +261,14 @@ def random_pair_cmd(preset, out, device, dtype, seed):
               help="--backend torch: requests one instance serves at once (request slots, caches allocated up "
                    "front).")
 @click.option("--tree-size-by-batch", default="", metavar="B:N,...",
-              help="--backend torch: a smaller tree when more requests share a round, e.g. 1:64,4:32,8:16.")
+              help="--backend torch: a smaller tree when more requests share a round, e.g. 1:64,4:32,8:16 "
+                   "(implies --tree manifest).")
+@click.option("--tree", type=click.Choice(["auto", "manifest"]), default="auto",
+              help="--backend torch: auto, the self-tuning tree chooses each round's tree per batch bucket within "
+                   "the artifact's tree (measured on the serving machine at start-up, see docs/tuning.md); "
+                   "manifest, the artifact's settings as built.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (swapped in only when writing succeeds).")
-def triton_repo_cmd(artifact_dir, out, backend, instances, max_batch, tree_size_by_batch, force):
+def triton_repo_cmd(artifact_dir, out, backend, instances, max_batch, tree_size_by_batch, tree, force):
     """Write a Triton Inference Server model repository for ARTIFACT_DIR: a decoupled `treeflash`
     model that streams generations (TensorRT-LLM's request names), and one tensorrt_plan model per
     engine for TensorRT artifacts. Checks the artifact's checksums first."""
@@ -271,7 +276,7 @@ def triton_repo_cmd(artifact_dir, out, backend, instances, max_batch, tree_size_
 
     try:
         path = write_triton_repo(artifact_dir, out, backend=backend, instances=instances, max_batch=max_batch,
-                                 tree_size_by_batch=tree_size_by_batch, force=force,
+                                 tree_size_by_batch=tree_size_by_batch, force=force, tree=tree,
                                  log=lambda m: click.echo(m, err=True))
     except TreeFlashError as exc:
         click.echo(f"error: {exc}", err=True)

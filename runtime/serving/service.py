@@ -208,14 +208,17 @@ class BatchedService(Service):
         from .engine import Engine
 
         self.tree_size = self.session.runner.max_tree_size
-        self.engine = Engine(self.session.runner)
+        self.engine = Engine(self.session.runner, tuner=self.session.tuner)
 
     @classmethod
     def from_artifact(cls, folder, backend: str = "torch", device: str = "auto", verify_checksums: bool = True, *,
-                      max_batch: int = 8, tree_size_by_batch: dict[int, int] | None = None) -> "BatchedService":
+                      max_batch: int = 8, tree_size_by_batch: dict[int, int] | None = None,
+                      tune: bool = False) -> "BatchedService":
+        """tune: the self-tuning tree chooses each round's tree within the artifact's (not with a table)."""
         return cls(session_from_artifacts(str(folder), {}, backend="torch", device=device,
                                           verify_checksums=verify_checksums, max_batch=max_batch,
-                                          tree_size_by_batch=tree_size_by_batch))
+                                          tree_size_by_batch=tree_size_by_batch,
+                                          tune=tune and not tree_size_by_batch))
 
     def start(self) -> None:
         self.engine.start()

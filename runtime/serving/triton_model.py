@@ -39,7 +39,8 @@ class TritonPythonModel:
             device = f"cuda:{args['model_instance_device_id']}" if torch.cuda.is_available() else "cpu"
             self.service = BatchedService.from_artifact(
                 folder, device=device, verify_checksums=verify, max_batch=int(params["max_batch"]),
-                tree_size_by_batch=parse_tree_size_by_batch(params.get("tree_size_by_batch", "")))
+                tree_size_by_batch=parse_tree_size_by_batch(params.get("tree_size_by_batch", "")),
+                tune=params.get("tree", "manifest") == "auto")
             self.service.warm_up()
             self.service.start()  # the engine loop serves from a background thread from here on
             return

@@ -687,11 +687,42 @@ def test_a_torch_repository_batches_in_flight(artifact, tmp_path):
     cfg = text_format.Parse((repo / "treeflash" / "config.pbtxt").read_text(), mc.ModelConfig())
     assert {k: v.string_value for k, v in cfg.parameters.items()} == {
         "backend": "torch", "artifact": "1/artifact", "verify_checksums": "true", "max_batch": "6",
-        "tree_size_by_batch": "1:8,4:4"}
+        "tree_size_by_batch": "1:8,4:4", "tree": "manifest"}  # an explicit table: the artifact's tree as built
+    auto = write_triton_repo(artifact.root, tmp_path / "auto", backend="torch", log=lambda m: None)
+    cfg = text_format.Parse((auto / "treeflash" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert cfg.parameters["tree"].string_value == "auto" and cfg.parameters["tree_size_by_batch"].string_value == ""
     assert cfg.instance_group[0].kind == mc.ModelInstanceGroup.KIND_MODEL and cfg.model_transaction_policy.decoupled
     assert "batches requests in flight" in (repo / "README.md").read_text()
     with pytest.raises(TreeFlashError, match="--tree-size-by-batch"):
         write_triton_repo(artifact.root, tmp_path / "bad", backend="torch", tree_size_by_batch="8", log=lambda m: None)
+    with pytest.raises(TreeFlashError, match="--tree 'best'"):
+        write_triton_repo(artifact.root, tmp_path / "bad", backend="torch", tree="best", log=lambda m: None)
+
+
+def test_the_batched_service_tunes_within_the_artifacts_tree(artifact, tmp_path, monkeypatch):
+    """tree auto (the default of triton-repo --backend torch): the service's engine asks the self-tuning
+    tree each round, within the artifact's tree size; every request equals what the artifact's own tree
+    gives it (greedy: the verifier's own tokens either way)."""
+    from treeflash_export.config import SamplingConfig
+    from treeflash_runtime.serving.engine import Request
+    from treeflash_runtime.serving.service import BatchedService
+
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path / "cache"))
+    tuned = BatchedService.from_artifact(artifact.root, device="cpu", max_batch=3, tune=True)
+    fixed = BatchedService.from_artifact(artifact.root, device="cpu", max_batch=3)
+    assert tuned.session.tuner is not None and fixed.session.tuner is None
+    assert max(s.tree_size for s in tuned.session.tuner.auto.candidates) <= artifact.tree.tree_size
+    tok = tuned.session.tokenizer
+    prompts = [tok(p)["input_ids"] for p in LOAD_PROMPTS[:5]]
+    want = []
+    for ids in prompts:
+        r = Request(ids, SamplingConfig(max_new_tokens=NEW, stop_token_ids=()))
+        fixed.engine.run([r])
+        want.append(r.tokens)
+    requests = [Request(ids, SamplingConfig(max_new_tokens=NEW, stop_token_ids=())) for ids in prompts]
+    tuned.engine.run(requests)
+    assert [r.tokens for r in requests] == want
+    assert tuned.session.tuner.report()["choices"]
 
 
 @pytest.mark.tritonserver

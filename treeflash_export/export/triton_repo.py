@@ -150,10 +150,13 @@ def plan_model_config(name: str, spec: GraphSpec, instances: int) -> dict:
     }
 
 
-def python_model_config(backend: str, instances: int, max_batch: int = 8, tree_size_by_batch: str = "") -> dict:
+def python_model_config(backend: str, instances: int, max_batch: int = 8, tree_size_by_batch: str = "",
+                        tree: str = "auto") -> dict:
     """backend torch: one instance serves up to max_batch requests at once with in-flight batching
     (KIND_MODEL: the model takes the instance's GPU when the server has one, else the CPU); the
-    graph backends serve one generation at a time per instance."""
+    graph backends serve one generation at a time per instance. tree (torch): 'auto', the
+    self-tuning tree chooses per batch bucket within the artifact's tree, or 'manifest', the
+    artifact's settings (and tree_size_by_batch, which implies it)."""
     def tensors(specs):
         return [{"name": s.name, "data_type": PbEnum(TRITON_DTYPES[s.dtype]), "dims": list(s.dims),
                  **({"optional": True} if s.optional else {})} for s in specs]
@@ -172,7 +175,8 @@ def python_model_config(backend: str, instances: int, max_batch: int = 8, tree_s
             {"tensorrt": "KIND_GPU", "torch": "KIND_MODEL"}.get(backend, "KIND_CPU"))}],
         "parameters": [_param("backend", backend), _param("artifact", ARTIFACT_SUBDIR),
                        _param("verify_checksums", "true")]
-                      + ([_param("max_batch", str(max_batch)), _param("tree_size_by_batch", tree_size_by_batch)]
+                      + ([_param("max_batch", str(max_batch)), _param("tree_size_by_batch", tree_size_by_batch),
+                          _param("tree", "manifest" if tree_size_by_batch else tree)]
                          if backend == "torch" else []),
     }
 
@@ -269,12 +273,14 @@ def _check_whole(path: Path) -> None:
 
 def write_triton_repo(artifact_dir: str | Path, out: str | Path, *, backend: str = "auto", instances: int = 1,
                       max_batch: int = 8, tree_size_by_batch: str = "", force: bool = False,
-                      log: Callable[[str], None] = print) -> Path:
+                      log: Callable[[str], None] = print, tree: str = "auto") -> Path:
     out = Path(out)
     if instances < 1:
         raise TreeFlashError(f"--instances must be >= 1, got {instances}")
     if max_batch < 1:
         raise TreeFlashError(f"--max-batch must be >= 1, got {max_batch}")
+    if tree not in ("auto", "manifest"):
+        raise TreeFlashError(f"--tree {tree!r}: use auto or manifest")
     if tree_size_by_batch and not re.fullmatch(r"\s*\d+\s*:\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*)*,?\s*", tree_size_by_batch):
         raise TreeFlashError(f"--tree-size-by-batch {tree_size_by_batch!r} is not BATCH:TREE_SIZE,... (e.g. 1:64,4:32)")
     art = load_artifact(artifact_dir)  # checksums first: never publish a corrupted artifact
@@ -298,7 +304,7 @@ def write_triton_repo(artifact_dir: str | Path, out: str | Path, *, backend: str
         model = tmp / MODEL_NAME
         (model / "1").mkdir(parents=True)
         written.append(model / "config.pbtxt")
-        written[-1].write_text(to_pbtxt(python_model_config(backend, instances, max_batch, tree_size_by_batch)))
+        written[-1].write_text(to_pbtxt(python_model_config(backend, instances, max_batch, tree_size_by_batch, tree)))
         written.append(model / "1" / "model.py")
         written[-1].write_text(MODEL_PY)
         shutil.copytree(art.root, model / ARTIFACT_SUBDIR, copy_function=_link_or_copy)
