@@ -70,8 +70,9 @@ class Realised:
         self.ratio[key] = (1 - self.ema) * self.ratio.get(key, 1.0) + self.ema * r  # from the probe's 1.0
 
     def version(self, b: int) -> tuple:
-        """What the corrections are now, coarsely (a choice made under them stays valid while it holds)."""
-        return tuple(round(self.ratio.get((b, k), 1.0), 2) for k in (True, False))
+        """What the corrections are now, in steps of about 5% (a choice made under them is reused while
+        it holds: the choice costs far more than a round of a small model)."""
+        return tuple(round(20 * math.log(self.ratio.get((b, k), 1.0))) for k in (True, False))
 
     def __getattr__(self, name):  # everything else: the measured model's
         return getattr(self.model, name)
