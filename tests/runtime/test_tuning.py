@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import PROMPTS, hf_greedy
 from oracle import OracleRunner
@@ -186,3 +187,34 @@ def test_bench_sweep_times_the_grid_beside_auto_and_plots(pair_dirs, tmp_path, m
     assert sw["best"] == best["setting"] and sw["auto_vs_best"] == pytest.approx(
         rep["rows"][0]["tokens_per_s"] / best["tokens_per_s"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_with_graphs_the_probe_times_a_replay_of_each_part(load):
+    """On CUDA the rounds that serve are graph replays, so the probe captures each part once and times
+    its replays (an eager stand-in for the capture here, as the CPU tests of the captured round do):
+    one capture per part and parameters, none of them made inside another, the state put back."""
+    from test_device_round import EagerReplay
+
+    from treeflash_runtime.tuner.cost import default_grid, measure
+
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    runner.use_graphs = True
+    captured = []
+
+    def capture(fn, args, reset):
+        captured.append(fn)
+        return EagerReplay(fn, args)
+
+    runner._capture = capture
+    grid = default_grid(("ar", "chain", "marginal", "treeflash"), runner.block_size, 16)
+    with runner.probing(1, 32) as probe:
+        before = runner.state.past_len.clone()
+        model = measure(probe, [1], grid, repeats=2, part_budget_s=10.0)
+        assert torch.equal(runner.state.past_len, before)
+        parts = [k for k in runner._probe_memo if isinstance(k, tuple) and k[0] == "probe"]
+        probes = [f for f in captured if getattr(f, "__name__", "") == "<lambda>"]  # not the prefill passes
+        assert len(probes) == len(parts) == len(set(parts))  # one capture per (part, parameters)
+        assert {"z", "tables"} <= set(runner._probe_memo)  # made eagerly, outside every capture
+    c = model.buckets[1]
+    assert c.ar > 0 and set(c.verify) == set(grid.verify_nodes) and c.expand["chain"] > 0
