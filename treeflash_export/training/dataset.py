@@ -20,10 +20,10 @@ import torch
 from ..fsutil import atomic_torch_save
 from . import data  # its functions through the module, so a test can count the generation calls
 from .chat import chat_fields, chat_prompts
-from .self_chat import SOURCE as SELF, self_chat_prompts, self_fields
 from .config import TrainConfig
 from .distributed import World
 from .files import load_prompts, split_heldout, tokenise
+from .self_chat import SOURCE as SELF, self_chat_prompts, self_fields
 from .sources import allocate, corpus_files, prose_works, resolve_mix
 
 
