@@ -52,11 +52,13 @@ FAMILIES = ("treeflash", "marginal", "chain")
 class Realised:
     """The measured cost model, corrected by what rounds really take on the way (Python, read-backs,
     caches warmer or colder than the probe's): per bucket, a moving average of measured over predicted
-    round time, one for plain decoding and one for trees, each kept within [0.5, 2]."""
+    round time, one for plain decoding and one for trees, each kept within [0.5, 2]: the plain mean
+    of the first observations (with the probe's 1.0 as one of them), then a moving average."""
 
     def __init__(self, model: CostModel, ema: float = 0.1):
         self.model, self.ema = model, ema
         self.ratio: dict[tuple[int, bool], float] = {}
+        self.seen: dict[tuple[int, bool], int] = {}
 
     def round_ms(self, s: Setting, b: int = 1) -> float:
         return self.model.round_ms(s, b) * self.ratio.get((b, s.mode == "ar"), 1.0)
@@ -67,7 +69,11 @@ class Realised:
             return
         key = (b, s.mode == "ar")
         r = min(2.0, max(0.5, ms / predicted))
-        self.ratio[key] = (1 - self.ema) * self.ratio.get(key, 1.0) + self.ema * r  # from the probe's 1.0
+        n = self.seen[key] = self.seen.get(key, 0) + 1
+        # The plain mean with the probe's 1.0 as one observation at first (a few tree rounds already
+        # correct it), then a moving average.
+        a = max(self.ema, 1.0 / (n + 1))
+        self.ratio[key] = (1 - a) * self.ratio.get(key, 1.0) + a * r
 
     def version(self, b: int) -> tuple:
         """What the corrections are now, in steps of about 5% (a choice made under them is reused while

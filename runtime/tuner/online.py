@@ -108,6 +108,7 @@ class TreeTuner:
         self._note: str | None = None
         self._saved_at = -float("inf")
         self._timed: set = set()  # (bucket, setting) pairs whose first round has run
+        self.captures = False  # whether a setting's first round captures a graph (CUDA graphs on)
         self._at_exit = False
         self.fixed_mode: str | None = None  # the mode the user gave (the tuner then chooses only N, M, K)
         self.max_tree_size = max(s.tree_size for s in auto.candidates)  # what the caches must leave room for
@@ -143,6 +144,7 @@ class TreeTuner:
         skey = acceptance_key(runner, sources, drafter_temperature) if store else None
         tuner = cls(auto, drafter_temperature, store or None, skey, log)
         tuner.fixed_mode = fixed.get("mode")
+        tuner.captures = bool(getattr(runner, "use_graphs", False))
         if skey is not None and not retune:
             tuner.resumed = store.load_into(skey, acceptance, log)
             tuner._note = (f"tuning: the acceptance model starts from {acceptance.rounds} earlier rounds with this pair"
@@ -207,10 +209,10 @@ class TreeTuner:
                           drafter_temperature=self.drafter_temperature)
 
     def round_took(self, seconds: float, bucket: int = 1) -> None:
-        """The wall-clock time of the round that just ran (corrects the cost model's predictions). The
-        first round of each setting and bucket is left out: on CUDA it captures the setting's graph."""
+        """The wall-clock time of the round that just ran (corrects the cost model's predictions). With
+        CUDA graphs the first round of each setting and bucket is left out: it captures the graph."""
         key = (bucket, self.current)
-        if self.current is not None and key in self._timed:
+        if self.current is not None and (key in self._timed or not self.captures):
             self.auto.observe_time(self.current, bucket, 1000.0 * seconds)
         self._timed.add(key)
 
