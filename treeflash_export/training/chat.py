@@ -160,6 +160,22 @@ class ChatPrompts:
     rejected: Counter  # reason -> count, over the candidates read
     candidates: int  # candidates read to find them
 
+    def take(self, turn: str | None, reason: str, name: str, tok, prompt_tokens: int) -> None:
+        """One candidate: kept when it has no rejection reason and its user turn, rendered with the
+        chat template, fits in prompt_tokens; otherwise its reason is counted."""
+        if not reason:
+            ids = render(Prompt(name, messages=(("user", turn),)), tok)
+            if len(ids) <= prompt_tokens:
+                self.ids.append(ids)
+                self.texts.append(turn)
+                return
+            reason = "over --prompt-tokens"
+        self.rejected[reason] += 1
+
+    def reasons(self) -> str:
+        """The rejections, most frequent first ('12 unfinished, 3 echo')."""
+        return ", ".join(f"{n} {r}" for r, n in self.rejected.most_common())
+
 
 def chat_fields(source: str, cfg: TrainConfig) -> tuple:
     """The settings that name a chat source's cached answers (TrainConfig.data_key's `chat`)."""
@@ -220,9 +236,8 @@ def chat_prompts(verifier, tok, verifier_key: str, source: str, split: str, coun
         i = out.candidates
         if i == len(raw):  # generate what is missing, with a margin for rejections
             if i >= limit:
-                reasons = ", ".join(f"{n} {r}" for r, n in out.rejected.most_common())
                 raise ConfigError(f"{source}: only {len(out.ids)} of {count} {split} instructions were usable after "
-                                  f"{i} tries ({reasons}); raise --instruction-tokens or --prompt-tokens")
+                                  f"{i} tries ({out.reasons()}); raise --instruction-tokens or --prompt-tokens")
             want = min(limit - i, max(cfg.gen_batch, round((count - len(out.ids)) * 1.3) + 8))
             while len(seeds) < i + want:
                 seeds.append(next(stream))
@@ -237,18 +252,10 @@ def chat_prompts(verifier, tok, verifier_key: str, source: str, split: str, coun
         out.candidates += 1
         style = style_of(source, i)
         text, reason = clean_instruction(raw[i], tok, stops, style.ask)
-        if text is not None:
-            turn = user_turn(text, seeds[i], style)
-            ids = render(Prompt(f"{source} {split} candidate {i}", messages=(("user", turn),)), tok)
-            if len(ids) <= cfg.prompt_tokens:
-                out.ids.append(ids)
-                out.texts.append(turn)
-                continue
-            reason = "over --prompt-tokens"
-        out.rejected[reason] += 1
+        out.take(None if text is None else user_turn(text, seeds[i], style), reason,
+                 f"{source} {split} candidate {i}", tok, cfg.prompt_tokens)
     if out.rejected:
-        reasons = ", ".join(f"{n} {r}" for r, n in out.rejected.most_common())
-        log(f"{source} {split}: {count} instructions from {out.candidates} candidates; rejected {reasons}")
+        log(f"{source} {split}: {count} instructions from {out.candidates} candidates; rejected {out.reasons()}")
     return out
 
 

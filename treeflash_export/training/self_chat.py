@@ -38,7 +38,6 @@ from . import data  # its functions through the module, so a test can count the 
 from .chat import _ANSWER, _SENTENCE_END, ChatPrompts, stop_ids
 from .config import TrainConfig
 from .distributed import World
-from .files import Prompt, render
 
 SOURCE = "chat-self"
 # SELF_RECIPE: bump it when the openers or the prefix change (it names the raw candidates);
@@ -195,9 +194,8 @@ def self_chat_prompts(verifier, tok, verifier_key: str, split: str, count: int, 
         i = out.candidates
         if i == len(raw):  # write what is missing, with a margin for rejections
             if i >= limit:
-                reasons = ", ".join(f"{n} {r}" for r, n in out.rejected.most_common())
                 raise ConfigError(f"{SOURCE}: only {len(out.ids)} of {count} {split} user turns were usable after "
-                                  f"{i} tries ({reasons}); raise --instruction-tokens or --prompt-tokens")
+                                  f"{i} tries ({out.reasons()}); raise --instruction-tokens or --prompt-tokens")
             want = min(limit - i, max(cfg.gen_batch, round((count - len(out.ids)) * 1.25) + 8))
             raw = _extend(raw, i + want, verifier, tok, split, cfg, path, log, world, pad_id)
         out.candidates += 1
@@ -208,17 +206,9 @@ def self_chat_prompts(verifier, tok, verifier_key: str, split: str, count: int, 
             key = normalise(text)
             reason = "duplicate" if key in seen else "held-out" if key in avoid else ""
             seen.add(key)
-        if not reason:
-            ids = render(Prompt(f"{SOURCE} {split} candidate {i}", messages=(("user", text),)), tok)
-            if len(ids) <= cfg.prompt_tokens:
-                out.ids.append(ids)
-                out.texts.append(text)
-                continue
-            reason = "over --prompt-tokens"
-        out.rejected[reason] += 1
+        out.take(text, reason, f"{SOURCE} {split} candidate {i}", tok, cfg.prompt_tokens)
     if out.rejected:
-        reasons = ", ".join(f"{n} {r}" for r, n in out.rejected.most_common())
-        log(f"{SOURCE} {split}: {count} user turns from {out.candidates} candidates; rejected {reasons}")
+        log(f"{SOURCE} {split}: {count} user turns from {out.candidates} candidates; rejected {out.reasons()}")
     return out
 
 
