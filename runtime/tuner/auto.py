@@ -135,22 +135,25 @@ class AutoTuner:
     def _rate(self, s: Setting, tokens: float, bucket: int) -> float:
         return tokens / max(self.cost.round_ms(s, bucket), 1e-9)
 
+    def _along(self, s: Setting, i: int) -> list:
+        """The values of field i (1: N, 2: M, 3: K) among the candidates of s's mode that equal s in
+        the other two fields, ascending."""
+        return sorted({c[i] for c in self.candidates if c.mode == s.mode
+                       and all(c[j] == s[j] for j in (1, 2, 3) if j != i)})
+
     def _up(self, s: Setting) -> list[Setting]:
         """s's candidates one step up in each field (same mode), the next larger value present."""
-        cands = set(self.candidates)
         out = []
-        for i, field in ((1, "tree_size"), (2, "top_m"), (3, "top_k")):
-            larger = sorted({c[i] for c in cands if c.mode == s.mode and c[i] > s[i]
-                             and all(c[j] == s[j] for j in (1, 2, 3) if j != i)})
+        for i in (1, 2, 3):
+            larger = [v for v in self._along(s, i) if v > s[i]]
             if larger:
-                out.append(s._replace(**{field: larger[0]}))
+                out.append(s._replace(**{s._fields[i]: larger[0]}))
         return out
 
     def _down(self, s: Setting, up: Setting) -> Setting | None:
         """The point as far below s as `up` is above it, in the field they differ in (when a candidate)."""
         i = next(j for j in (1, 2, 3) if s[j] != up[j])
-        below = sorted({c[i] for c in self.candidates if c.mode == s.mode and c[i] < s[i]
-                        and all(c[j] == s[j] for j in (1, 2, 3) if j != i)})
+        below = [v for v in self._along(s, i) if v < s[i]]
         return s._replace(**{s._fields[i]: below[-1]}) if below else None
 
     def grow_setting(self, choice: Choice, bucket: int) -> Setting | None:
@@ -205,17 +208,30 @@ class AutoTuner:
         return choose(self.cost, self.acceptance, bucket, [best.setting], current if current in (PLAIN, best.setting)
                       else None, self.hysteresis, stream, self.block_size, plain=True, margin=self.required_margin)
 
+    def _doubt(self, s: Setting) -> float:
+        return self.doubt / (1.0 + self.acceptance.support(s)) ** 0.5
+
     def tree_margin(self, s: Setting) -> float:
         """The discount trees compete on among themselves: a little while few rounds support s."""
-        return self.doubt / 5 / (1.0 + self.acceptance.support(s)) ** 0.5
+        return self._doubt(s) / 5
 
     def required_margin(self, s: Setting) -> float:
         """How much faster than plain decoding a tree must be predicted: `margin`, plus `doubt` while
         few rounds support the prediction of s (doubt / sqrt(1 + rounds); with the default 0.2: +14%
-        after one round, +4% after 24, +2% after 99, beside the 5%). Among themselves trees compete with a fifth of that doubt
-        (`tree_margin`), so a setting seen in one lucky round does not win over one seen in many
-        (the largest of many noisy estimates is biased upwards) but a better one soon does."""
-        return self.margin + self.doubt / (1.0 + self.acceptance.support(s)) ** 0.5
+        after one round, +4% after 24, +2% after 99, beside the 5%). Among themselves trees compete
+        with a fifth of that doubt (`tree_margin`), so a setting seen in one lucky round does not win
+        over one seen in many (the largest of many noisy estimates is biased upwards) but a better
+        one soon does."""
+        return self.margin + self._doubt(s)
+
+    def _best_tree(self, bucket: int, cands: list[Setting]) -> Setting | None:
+        """The best-predicted of these settings that could pay, before any margin (None: none predictable)."""
+        cands = [s for s in cands if s.mode != "ar" and can_pay(self.cost, s, bucket, self.block_size)]
+        try:
+            return choose(self.cost, self.acceptance, bucket, cands, None, 0.0, None, self.block_size,
+                          plain=False).setting
+        except ConfigError:
+            return None
 
     def _refresh_setting(self, bucket: int, current: Setting | None) -> Setting | None:
         """The setting a refresh round runs, in turn: the challenger (the tree setting other than the
@@ -224,22 +240,15 @@ class AutoTuner:
         other than the current one (any family while plain decoding runs), over all M and K."""
         self._next_family += 1
         if self._next_family % 2:
-            others = [s for s in self.candidates if s != current and s.mode != "ar"
-                      and can_pay(self.cost, s, bucket, self.block_size)]
-            try:
-                return choose(self.cost, self.acceptance, bucket, others, None, 0.0, None, self.block_size,
-                              plain=False).setting
-            except ConfigError:
-                pass
+            challenger = self._best_tree(bucket, [s for s in self.candidates if s != current])
+            if challenger is not None:
+                return challenger
         fams = [f for f in self.families() if current is None or f != current.mode]
         for i in range(len(fams)):
             f = fams[(self._next_family // 2 + i) % len(fams)]
-            cands = [s for s in self.candidates if s.mode == f and can_pay(self.cost, s, bucket, self.block_size)]
-            try:
-                return choose(self.cost, self.acceptance, bucket, cands, None, 0.0, None, self.block_size,
-                              plain=False).setting
-            except ConfigError:
-                continue
+            best = self._best_tree(bucket, [s for s in self.candidates if s.mode == f])
+            if best is not None:
+                return best
         return None
 
     def setting(self, bucket: int = 1, stream: RequestStream | None = None) -> Setting:

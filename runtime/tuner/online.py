@@ -176,11 +176,11 @@ class TreeTuner:
     def driving(self, runner):
         """While a tuned generation runs: its rounds report their nodes, and plain decoding rounds keep
         the drafter's context current (work a fixed setting on the same runner never pays)."""
-        runner.observing = runner.keep_context = True
+        self.serve(runner)
         try:
             yield
         finally:
-            runner.observing = runner.keep_context = False
+            self.release(runner)
             self.save()
 
     def new_generation(self) -> None:
@@ -189,13 +189,14 @@ class TreeTuner:
         self.tokens.clear()
 
     def serve(self, runner) -> None:
-        """For an engine over request slots, before it admits anything: the cost model is measured now
-        (the probe takes slots over, so never while requests hold them), then its rounds report their
-        nodes and plain decoding rounds keep the drafter's context for as long as it serves."""
+        """Before a generation or an engine admits anything: the cost model is measured now (the probe
+        takes slots over, so never while requests hold them), then the runner's rounds report their
+        nodes and plain decoding rounds keep the drafter's context, until `release`."""
         self.auto.cost.buckets  # noqa: B018 (measures or reads the cache now)
         runner.observing = runner.keep_context = True
 
     def release(self, runner) -> None:
+        """The runner's extra work for the tuner off again."""
         runner.observing = runner.keep_context = False
 
     def next_tree(self, bucket: int = 1) -> TreeConfig:
