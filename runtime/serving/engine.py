@@ -138,6 +138,8 @@ class Engine:
 
     def run(self, requests: list[Request], progress=None) -> list[Request]:
         """Serves these requests to the end, in this thread. progress(request) after each one ends."""
+        if self.tuner is not None:  # again after an earlier run's close
+            self.tuner.serve(self.runner)
         for request in requests:
             if progress is not None:
                 request.on_done = _then(request.on_done, progress)

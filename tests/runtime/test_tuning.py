@@ -141,6 +141,12 @@ def test_the_engine_tunes_per_bucket_and_stays_exact(load, pair_dirs, tmp_path, 
     if name == "qwen3-dflash":
         assert not any(label.startswith("treeflash") for label in tuner.used)
     assert not runner.observing and not runner.keep_context  # off once the engine is done
+    # The same engine serves another batch: the tuner is served again, and keeps learning.
+    learnt = tuner.auto.acceptance.rounds
+    again = [Request(ids, SamplingConfig(max_new_tokens=8)) for ids in prompts[:3]]
+    engine.run(again)
+    assert [r.tokens for r in again] == [hf_greedy(pair.verifier, ids, 8) for ids in prompts[:3]]
+    assert tuner.auto.acceptance.rounds > learnt
     assert (tmp_path / "acceptance").is_dir() and list((tmp_path / "acceptance").iterdir())  # what it learnt is kept
 
 
