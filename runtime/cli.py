@@ -66,7 +66,7 @@ class _Streamer:
               help="--prompts-file: a smaller tree when more requests share a round, e.g. 1:64,4:32,8:16 (the "
                    "largest batch size not above the round's slot bucket applies).")
 def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k, retune,
-         drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
+         draft_vocab, drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
          backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol,
          prompts_file, max_batch, tree_size_by_batch):
     """Generate text from a verifier with TreeFlash tree speculative decoding.
@@ -82,7 +82,7 @@ def main(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
 
 
 def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_size, top_m, top_k, retune,
-         drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
+         draft_vocab, drafter_temperature, temperature, top_p, max_new_tokens, seed, stop_token_ids, ignore_eos, max_seq_len,
          backend, device, dtype, cuda_graphs, compile_steps, fast_kernels, as_json, server, server_protocol,
          prompts_file, max_batch, tree_size_by_batch):
     requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
@@ -104,7 +104,8 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
         raise TreeFlashError("--tree-size-by-batch applies to --prompts-file (and to triton-repo --backend torch)")
     if server is not None:
         local = dict(model=model, drafter=drafter, artifacts=artifacts, chat=chat, max_seq_len=max_seq_len,
-                     **requested, backend=backend != "torch", device=device != "auto", dtype=dtype != "auto")
+                     **requested, backend=backend != "torch", device=device != "auto", dtype=dtype != "auto",
+                     draft_vocab=draft_vocab != "auto")
         given = [k for k, v in local.items() if v]
         if given:
             raise TreeFlashError(f"--server runs the server's model: --{given[0].replace('_', '-')} does not apply")
@@ -128,7 +129,8 @@ def _run(model, drafter, artifacts, verify_checksums, prompt, chat, mode, tree_s
     sess = load_session(model=model, drafter=drafter, artifacts=artifacts, verify_checksums=verify_checksums,
                         **requested, max_seq_len=max_seq_len, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                         fast_kernels=fast_kernels, backend=backend, compile_steps=compile_steps,
-                        log=lambda m: click.echo(m, err=True), retune=retune, **batch)
+                        log=lambda m: click.echo(m, err=True), retune=retune, draft_vocab=draft_vocab,
+                        **batch)
     load_s = time.perf_counter() - t_load  # checkpoints read, caches allocated
     tree, runner, tok = sess.tree, sess.runner, sess.tokenizer
     if chat and not getattr(tok, "chat_template", None):

@@ -65,7 +65,8 @@ def checked_tree(runner: Runner, tree: TreeConfig) -> TreeConfig:
     if tree.mode != "ar":
         if runner.block_size < 2:
             raise ConfigError(f"mode {tree.mode!r} needs a drafter; this runner has none (use mode 'ar')")
-        tree.validate(block_size=runner.block_size, vocab_size=runner.vocab_size, has_head=runner.has_head)
+        tree.validate(block_size=runner.block_size, vocab_size=runner.draft_vocab_size or runner.vocab_size,
+                      has_head=runner.has_head)
     return tree.resolved(runner.block_size)
 
 

@@ -53,6 +53,11 @@ _OPTIONS = [
     click.option("--retune", is_flag=True,
                  help="With auto tree settings: measure the round's costs again instead of reading them from the "
                       "cache (TREEFLASH_CACHE/costs), and start the acceptance model afresh."),
+    click.option("--draft-vocab", type=AutoOrInt(), default="auto", show_default=True,
+                 help="torch backend: how many tokens the drafter ranks, most frequent in its training data first "
+                      "(the drafter folder's draft-vocab.json, written by `treeflash-export train`): fewer LM-head rows "
+                      "make each round cheaper; the output is the verifier's either way. auto: the whole list (the "
+                      "whole vocabulary without one); 0: the whole vocabulary; N: the first N."),
     click.option("--drafter-temperature", type=float, default=None,
                  help=f"Temperature of the drafter scores that shape the tree (never changes the output). "
                       f"[default: {_TREE.drafter_temperature}, or the artifact's]"),
@@ -96,7 +101,7 @@ def check_model_options(model, drafter, artifacts, mode, max_seq_len) -> None:
 
 def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size, top_m, top_k, drafter_temperature,
                  max_seq_len, device, dtype, cuda_graphs, fast_kernels, backend="torch", compile_steps=False,
-                 log=None, retune=False, **batch):
+                 log=None, retune=False, draft_vocab="auto", **batch):
     """The session these options name: checkpoints (the default pair without --model) or an artifact
     folder. batch: max_batch (and tree_size_by_batch) for request slots on the torch backend. Tree
     settings given as 'auto' are chosen round by round by the self-tuning tree (``Session.tuner``):
@@ -125,7 +130,8 @@ def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size
             auto = []  # nothing left to choose: plain decoding and the chain have no tree settings
         sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
                                         device, dtype, log=log, cuda_graphs=cuda_graphs, compile_steps=compile_steps,
-                                        fast_kernels=kernels, mode_auto="mode" in auto, **batch)
+                                        fast_kernels=kernels, mode_auto="mode" in auto,
+                                        draft_vocab=None if draft_vocab == "auto" else draft_vocab, **batch)
         if auto:
             from .tuner.online import TreeTuner
 

@@ -168,7 +168,7 @@ def load_drafter(folder: Path, *, dtype: torch.dtype, device: str | torch.device
     """(TreeFlashDrafter, DrafterConfig, layout) with strict key checking."""
     from transformers import AutoConfig
 
-    from .models import TreeFlashDrafter
+    from .models import TreeFlashDrafter, draft_vocab
 
     try:
         hf_cfg = AutoConfig.from_pretrained(folder)
@@ -194,6 +194,7 @@ def load_drafter(folder: Path, *, dtype: torch.dtype, device: str | torch.device
     # Each tensor goes to the device in the run's dtype once, and becomes the parameter itself.
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
     model.model.reset_rope()
+    model.vocab_order = draft_vocab.read(folder, cfg.vocab_size)
     return model.eval().requires_grad_(False), cfg, layout
 
 

@@ -277,3 +277,17 @@ def node_paths(tables: Tables, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, 
         k_rank = torch.where(here, torch.maximum(k_rank.gather(1, parent), k), k_rank)
     score = torch.where(tree.valid, score, torch.full_like(score, -math.inf))
     return score, m_rank, k_rank
+
+
+def on_accepted_path(tree: Tree, drafts: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """Which nodes of ``tree`` lie on a round's accepted path, in fixed shapes: drafts [b, L] the
+    accepted path's tokens at depths 1..L (entries past tau - 1 are ignored), tau [b] the tokens the
+    round gained (the accepted drafts plus the bonus). The tree may be a larger one than the round
+    verified, built from the same tables: its nodes that the verified tree held are labelled as
+    verification labelled them (a best-first tree holds every smaller one, so the accepted path is in
+    it). Batched: tree fields [b, N]; returns accepted [b, N] bool (the root: True)."""
+    depth = tree.depths
+    along = drafts.gather(1, (depth - 1).clamp(min=0, max=drafts.shape[1] - 1))  # the path's token at the node's depth
+    match = (depth == 0) | ((depth <= (tau - 1)[:, None]) & (tree.tokens == along) & tree.valid)
+    # a node is on the path iff it and every ancestor match the path's token at their depth
+    return (match[:, None, :] | ~tree.mask).all(dim=-1) & match

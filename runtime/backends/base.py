@@ -41,6 +41,7 @@ class Runner(ABC):
     name: str = "?"
     device: torch.device
     vocab_size: int
+    draft_vocab_size: int | None = None  # the tokens the drafter may propose, where fewer than vocab_size
     block_size: int
     capacity: int
     mask_token_id: int

@@ -35,7 +35,7 @@ from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.errors import ConfigError
 from treeflash_export.models import TreeVerifier
 from treeflash_export.models.expand import marginal_tables, treeflash_tables
-from treeflash_export.tree import Tables, Tree, build_tree, node_paths
+from treeflash_export.tree import Tables, Tree, build_tree, node_paths, on_accepted_path
 
 from ..loop import checked_tree
 from ..sampling import GREEDY, NUCLEUS, SAMPLE, accept, choose_tokens_keyed, sampling_kind
@@ -47,6 +47,16 @@ from .slots import bucket_sizes, power_of_two_groups, tree_sizes_by_bucket
 PREFILL_CHUNK = 256
 KINDS = (GREEDY, SAMPLE, NUCLEUS)
 OBS_NODES = 64  # the largest tree whose nodes a round reports to the self-tuning tree
+
+
+def observed_size(tree: TreeConfig) -> int:
+    """The tree whose nodes a round reports to the self-tuning tree: twice the one it verifies (at
+    most OBS_NODES), built from the same tables. Best-first trees are prefix-closed, so the verified
+    tree is its best half, and its scores tell the acceptance model what a larger tree would hold:
+    the next size up is predicted from every round, not only from rounds that ran it (which cost more
+    than the choice, so exploration would have to pay for them). The chain has one size."""
+    n = tree.tree_size
+    return n if tree.mode == "chain" else max(n, min(2 * n, OBS_NODES))
 
 
 @dataclass
@@ -127,7 +137,8 @@ class TorchRunner(Runner):
 
     def __init__(self, verifier_hf, drafter=None, *, capacity: int, max_batch: int = 1, tree: TreeConfig | None = None,
                  tree_size_by_batch: dict[int, int] | None = None, fused: bool = True, cuda_graphs: bool = True,
-                 compile: bool = False, fast_kernels: bool | None = None, capture_at_start: bool = True, log=None):
+                 compile: bool = False, fast_kernels: bool | None = None, capture_at_start: bool = True,
+                 draft_vocab: int | None = None, log=None):
         """verifier_hf: a Hugging Face causal LM; drafter: a TreeFlashDrafter or None (plain decoding only).
         fused: the TreeFlash head through torch.ops.treeflash.mlp_expand (the Triton kernels on CUDA,
         the PyTorch reference elsewhere) rather than the module composition.
@@ -141,7 +152,10 @@ class TorchRunner(Runner):
         built in one kernel (treeflash_kernels.build_tree, exactly the reference's trees); None =
         where they run as Triton kernels (CUDA; on CPU the references only add dispatch cost) and the
         steps are not compiled. capture_at_start: with a deployment tree and graphs on, capture every
-        graph serving can need now (capture_all) rather than on first use. log: progress lines."""
+        graph serving can need now (capture_all) rather than on first use. draft_vocab: how many tokens
+        the drafter ranks (treeflash_export.models.draft_vocab): None = the drafter's own list
+        (draft-vocab.json; the whole vocabulary without one), 0 = the whole vocabulary, N = its first N.
+        log: progress lines."""
         if max_batch < 1:
             raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
         self.max_batch = int(max_batch)
@@ -162,6 +176,7 @@ class TorchRunner(Runner):
             self.build_tree = build_tree
         self._own_drafter_setting()
         self.vocab_size = self.verifier.vocab_size
+        self._draft_vocabulary(draft_vocab)
         self.block_size = drafter.cfg.block_size if drafter is not None else 1
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else -1
         self.has_head = drafter is not None and drafter.ar_approximation is not None
@@ -249,6 +264,25 @@ class TorchRunner(Runner):
         """The next rounds' tree setting (one sequence; the self-tuning tree changes it between rounds)."""
         if tree != self.tree:
             self.configure(tree)
+
+    def _draft_vocabulary(self, size: int | None) -> None:
+        """The LM head rows the expansion ranks: ``draft_ids`` (ascending token ids) and their rows, a
+        copy; None for the whole vocabulary. ``draft_vocab_size`` is their number either way."""
+        from treeflash_export.models import draft_vocab
+
+        order = self.drafter.vocab_order if self.drafter is not None else None
+        ids = draft_vocab.select(order, size, self.vocab_size) if self.drafter is not None else None
+        head = self.verifier.lm_head
+        self.draft_ids = None if ids is None else ids.to(self.device)
+        self.draft_rows = None if ids is None else head.weight.index_select(0, self.draft_ids)
+        self.draft_bias = None if ids is None or head.bias is None else head.bias.index_select(0, self.draft_ids)
+        self.draft_vocab_size = self.vocab_size if ids is None else len(ids)
+
+    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits over its draft vocabulary (the whole vocabulary without one)."""
+        if self.draft_rows is None:
+            return self.verifier.lm_head(x)
+        return torch.nn.functional.linear(x, self.draft_rows, self.draft_bias)
 
     def _own_drafter_setting(self) -> None:
         """The drafter module is the caller's and may serve several runners: it takes this runner's
@@ -439,19 +473,22 @@ class TorchRunner(Runner):
             z = self.draft(b, bound)
         with self._stage("expand"):
             tables = Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, tree)), root[:, None], z))
+        seen = None  # the tree whose nodes the round reports (a larger one than it verifies, see observed_size)
         with self._stage("tree"):
             trees = _fields(self.build_tree(tables, root, tree.tree_size))
-            if self.observing and tree.tree_size <= OBS_NODES:
-                score, m_rank, k_rank = node_paths(tables, Tree(*trees))
-                st.obs_score[:b, : tree.tree_size] = score
-                st.obs_rank[:b, 0, : tree.tree_size] = m_rank
-                st.obs_rank[:b, 1, : tree.tree_size] = k_rank
+            n_seen = observed_size(tree)
+            if self.observing and n_seen <= OBS_NODES:
+                seen = trees if n_seen == tree.tree_size else _fields(self.build_tree(tables, root, n_seen))
+                score, m_rank, k_rank = node_paths(tables, Tree(*seen))
+                st.obs_score[:b, :n_seen] = score
+                st.obs_rank[:b, 0, :n_seen] = m_rank
+                st.obs_rank[:b, 1, :n_seen] = k_rank
         tokens, _, depths, mask, _ = trees
         with self._stage("verify"):
             logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, mask, kv, P, key_bound=bound)
             y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + depths + 1, kind)
         with self._stage("accept"):
-            self._commit(b, trees, y, feats)
+            self._commit(b, trees, y, feats, seen)
 
     def draft(self, b: int = 1, bound: int = 0) -> torch.Tensor:
         """Stage 1 for slots 0..b-1: each slot's pending context enters its drafter cache, then its block
@@ -468,17 +505,18 @@ class TorchRunner(Runner):
         """Stage 2 for one slot: root [1], z [B, H] -> transition tables for the mode (see
         treeflash_export.models.expand)."""
         norm = self.drafter.model.norm
-        logits = self.verifier.lm_head(norm(z))
+        logits = self.draft_logits(norm(z))
         if tree.mode == "treeflash":
             return treeflash_tables(
                 z, logits, root, head=self.drafter.ar_approximation, norm=norm,
-                embed_tokens=self.verifier.embed_tokens, lm_head=self.verifier.lm_head,
+                embed_tokens=self.verifier.embed_tokens, lm_head=self.draft_logits,
                 top_m=tree.top_m, top_k=tree.top_k, temperature=tree.drafter_temperature, fused=self.fused,
-                topk_kernel=self.fast_kernels,
+                topk_kernel=self.fast_kernels, vocab_ids=self.draft_ids,
             )
-        return marginal_tables(logits, tree.top_k, tree.drafter_temperature, topk_kernel=self.fast_kernels)
+        return marginal_tables(logits, tree.top_k, tree.drafter_temperature, topk_kernel=self.fast_kernels,
+                               vocab_ids=self.draft_ids)
 
-    def _commit(self, b: int, trees: tuple, y: torch.Tensor, feats: torch.Tensor) -> None:
+    def _commit(self, b: int, trees: tuple, y: torch.Tensor, feats: torch.Tensor, seen: tuple | None = None) -> None:
         """Accept each slot's deepest matching path (tau nodes) and commit it, in fixed shapes: its K/V
         move to slots P..P+tau-1 (no RoPE fix-up: a node at depth d already sits at position P + d),
         its features become the drafter's pending context, its drafts and the bonus go to out. An
@@ -504,10 +542,8 @@ class TorchRunner(Runner):
         st.out[:b, 1 : 1 + L] = gained
         st.past_len[:b] += tau
         st.root[:b] = torch.where(active, bonus, st.root[:b])
-        N = trees[0].shape[1]
-        if self.observing and N <= OBS_NODES:
-            on_path = torch.zeros(b, N, dtype=torch.bool, device=self.device)
-            st.obs_accepted[:b, :N] = on_path.scatter(1, path, ids[None, :] < tau[:, None])
+        if seen is not None:  # the reported tree's nodes on the accepted path
+            st.obs_accepted[:b, : seen[0].shape[1]] = on_accepted_path(Tree(*seen), drafts, tau)
 
     def _keep_context(self, b: int, feats: torch.Tensor, bound: int) -> None:
         """Plain decoding inside a speculative generation: the step's own features join the pending
@@ -529,8 +565,11 @@ class TorchRunner(Runner):
 
     def observation(self, slot: int, tree: TreeConfig) -> dict | None:
         """The last round's nodes of ``slot`` for the self-tuning tree (host lists, root excluded, tree
-        order): path scores, largest parent row and child rank, accepted; None when not observed."""
-        n = tree.tree_size
+        order): path scores, largest parent row and child rank, accepted, over the larger tree the round
+        reported (observed_size), and ``verified``: how many of its nodes, best first, the round
+        verified (the rest are labelled only where the accepted path shows them); None when not
+        observed."""
+        n = observed_size(tree)
         if not self.observing or tree.mode == "ar" or n > OBS_NODES:
             return None
         st = self.state
@@ -538,7 +577,7 @@ class TorchRunner(Runner):
                           st.obs_accepted[slot, 1:n].float()]).tolist()  # one read-back
         k = n - 1
         return {"scores": rows[:k], "m_rank": rows[k : 2 * k], "k_rank": rows[2 * k : 3 * k],
-                "accepted": rows[3 * k :]}
+                "accepted": rows[3 * k :], "verified": tree.tree_size - 1}
 
     def _commit_plain(self, b: int, token: torch.Tensor) -> None:
         """Plain decoding's commit: the one node's K/V already sit at slot P; each active slot gains its token."""

@@ -20,6 +20,8 @@ from treeflash_export.config import MODES, SamplingConfig, TreeConfig
 from treeflash_export.errors import TreeFlashError
 from treeflash_export.presets import PRESETS
 
+from ..options import AutoOrInt
+
 DEFAULT_PROMPTS = (
     "def quicksort(items):\n",
     "The history of the printing press",
@@ -31,7 +33,8 @@ def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device, mode_auto=False):
+def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, device, mode_auto=False,
+             draft_vocab=None):
     """One loaded runner per backend: every tree setting (and plain decoding) runs on it."""
     from ..factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
 
@@ -39,7 +42,8 @@ def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, dev
         return session_from_artifacts(artifacts, {}, backend=backend, device=device)
     tree = TreeConfig(mode=mode, **tree_kw)
     return session_from_checkpoints(model, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend, device,
-                                    log=lambda m: click.echo(m, err=True), mode_auto=mode_auto)
+                                    log=lambda m: click.echo(m, err=True), mode_auto=mode_auto,
+                                    draft_vocab=draft_vocab)
 
 
 def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
@@ -77,6 +81,9 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
                    f"[default: {TreeConfig.tree_size}; 16,32,64 with --random-weights]")
 @click.option("--top-m", type=int, default=TreeConfig.top_m)
 @click.option("--top-k", type=int, default=TreeConfig.top_k)
+@click.option("--draft-vocab", type=AutoOrInt(), default="auto", show_default=True,
+              help="Checkpoints: how many tokens the drafter ranks (see treeflash-run --draft-vocab); 0: the whole "
+                   "vocabulary.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt (repeatable). [default: three built-in prompts]")
 @click.option("--chat", is_flag=True, help="Wrap each --prompt in the tokenizer's chat template (as treeflash-run "
               "--chat does).")
@@ -142,7 +149,7 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (inside the CUDA graph where graphs "
                    "are on, else eagerly and synchronised; not with --compile).")
-def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_top_m, sweep_top_k, plot, tree_sizes, top_m, top_k, prompts, chat, heldout_prompts,
+def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_top_m, sweep_top_k, plot, tree_sizes, top_m, top_k, draft_vocab, prompts, chat, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
          concurrency, openai_url, api_key, requests, server_model, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
          cuda_graphs, compile_steps, fast_kernels, batch_sizes, slot_costs, stages):
@@ -157,6 +164,7 @@ def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_t
                      device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json, batch_sizes)
         return
     tree_sizes = tree_sizes or str(TreeConfig.tree_size)
+    draft_vocab = None if draft_vocab == "auto" else draft_vocab
     if slot_costs is not None:
         _slot_cost_main(model, drafter, list(prompts) or list(DEFAULT_PROMPTS), _split(slot_costs), device,
                         cuda_graphs, as_json)
@@ -172,7 +180,7 @@ def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_t
     if concurrency is not None:
         _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, list(prompts) or list(DEFAULT_PROMPTS),
                        max_new_tokens, ignore_eos, max_seq_len, device, concurrency, requests, tree_size_by_batch,
-                       cuda_graphs, as_json)
+                       cuda_graphs, as_json, draft_vocab)
         return
     try:
         source = (("heldout", heldout_prompts, prompt_tokens, heldout_domain) if heldout_prompts
@@ -184,7 +192,8 @@ def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_t
             raise TreeFlashError("--plot draws a --sweep: add --sweep")
         report = run_bench(artifacts, model, drafter, _split(backends), modes,
                            [int(n) for n in _split(tree_sizes)], dict(top_m=top_m, top_k=top_k), source,
-                           max_new_tokens, max_seq_len, repeat, device, ignore_eos=ignore_eos, sweep=grid)
+                           max_new_tokens, max_seq_len, repeat, device, ignore_eos=ignore_eos, sweep=grid,
+                           draft_vocab=draft_vocab)
         if plot:
             plot_sweep(report, plot)
     except TreeFlashError as exc:
@@ -220,7 +229,7 @@ def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds
 
 
 def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, prompts, max_new_tokens, ignore_eos,
-                   max_seq_len, device, concurrency, requests, tree_size_by_batch, cuda_graphs, as_json):
+                   max_seq_len, device, concurrency, requests, tree_size_by_batch, cuda_graphs, as_json, draft_vocab=None):
     from ..backends.slots import parse_tree_size_by_batch
     from ..factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
     from .batching import format_batching_report, run_batching_bench
@@ -246,7 +255,8 @@ def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, p
             largest = TreeConfig(mode="treeflash", tree_size=max(int(n) for n in _split(tree_sizes)), top_m=top_m,
                                  top_k=top_k)
             sess = session_from_checkpoints(model, drafter, largest, max_seq_len or DEFAULT_CAPACITY, "torch", device,
-                                            cuda_graphs=cuda_graphs, log=log, mode_auto="auto" in mode_list, **batch)
+                                            cuda_graphs=cuda_graphs, log=log, mode_auto="auto" in mode_list,
+                                            draft_vocab=draft_vocab, **batch)
             variants = []
             for m in [m for m in mode_list if m != "ar"] + ["ar"]:
                 if m == "auto":
@@ -364,9 +374,11 @@ def _label(tree: TreeConfig | None) -> str:
 
 
 def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, prompts, max_new_tokens,
-              max_seq_len, repeat, device, *, ignore_eos: bool = False, sweep: tuple | None = None) -> dict:
+              max_seq_len, repeat, device, *, ignore_eos: bool = False, sweep: tuple | None = None,
+              draft_vocab: int | None = None) -> dict:
     """Speculative rows against plain decoding, side by side on each backend. sweep: (sizes, top_ms,
-    top_ks) to time the whole grid of --sweep (torch over checkpoints) besides auto and plain decoding."""
+    top_ks) to time the whole grid of --sweep (torch over checkpoints) besides auto and plain decoding.
+    draft_vocab: see TorchRunner (checkpoints only)."""
     from transformers.utils import logging as hf_logging
 
     from ..loop import generate
@@ -394,7 +406,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
     for backend in backends:
         first = next((m for m in mode_list if m not in ("auto", "ar")), "treeflash" if "auto" in mode_list else "ar")
         sess = _session(artifacts, model, drafter, backend, first, tree_kw, max_seq_len, device,
-                        mode_auto="auto" in mode_list)
+                        mode_auto="auto" in mode_list, draft_vocab=draft_vocab)
         runner = sess.runner
         tuner = None
         if "auto" in mode_list:

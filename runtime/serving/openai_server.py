@@ -241,7 +241,8 @@ async def _cancel_on_disconnect(receive, gen) -> None:
 @click.option("--shutdown-timeout", type=float, default=30.0,
               help="On SIGTERM or Ctrl-C: seconds running requests get to finish before they are cancelled.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
-def main(model, drafter, artifacts, verify_checksums, mode, tree_size, top_m, top_k, retune, drafter_temperature,
+def main(model, drafter, artifacts, verify_checksums, mode, tree_size, top_m, top_k, retune, draft_vocab,
+         drafter_temperature,
          max_seq_len, device, dtype, cuda_graphs, fast_kernels, max_batch, host, port, api_key, served_model_name, max_queue,
          shutdown_timeout, log_level):
     """Serve a TreeFlash pair with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -266,7 +267,7 @@ def main(model, drafter, artifacts, verify_checksums, mode, tree_size, top_m, to
                             mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
                             drafter_temperature=drafter_temperature, max_seq_len=max_seq_len, device=device,
                             dtype=dtype, cuda_graphs=cuda_graphs, fast_kernels=fast_kernels, max_batch=max_batch,
-                            log=lambda m: click.echo(m, err=True))
+                            retune=retune, draft_vocab=draft_vocab, log=lambda m: click.echo(m, err=True))
 
     failed: list[str] = []
     server: uvicorn.Server | None = None

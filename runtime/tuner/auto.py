@@ -24,6 +24,11 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
 - margin: a tree is chosen over plain decoding only when predicted `margin` faster (5%), and by
   more while few rounds support a setting's prediction (`required_margin`): the predictions err,
   most of all early, and the promise is never to be slower than plain decoding.
+- confirming: while plain decoding is chosen only because few rounds support the best tree's
+  prediction (the tree is predicted at least `margin` faster, but not by the doubt on top), that tree
+  runs every `confirm_every`-th round: each such round is predicted faster than plain decoding, so
+  it costs nothing expected, and it supports the prediction, which either holds (and the tree is
+  chosen once its doubt is small enough) or falls below the margin (and the confirming stops).
 - settling: after `settle_after` choices in a bucket, TreeFlash's M and K stay at those chosen
   most, and only N (and the mode) is chosen per round: few settings per bucket (on a GPU each is
   a captured graph). A refresh round lets them move again.
@@ -88,11 +93,12 @@ class AutoTuner:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, candidates: list[Setting], block_size: int,
                  hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
                  max_explore_every: int = 512, margin: float = 0.05, doubt: float = 0.2,
-                 explore_share: float = 0.05):
+                 explore_share: float = 0.05, confirm_every: int = 4):
         self.cost, self.acceptance, self.block_size = Realised(cost), acceptance, block_size
         self.candidates = list(candidates)
         self.hysteresis, self.plain, self.margin, self.doubt = hysteresis, plain, margin, doubt
-        self.explore_share = explore_share
+        self.explore_share, self.confirm_every = explore_share, confirm_every
+        self._plain_since: Counter = Counter()  # bucket -> plain rounds since the last confirming one
         self.explore_every, self.max_explore_every, self.settle_after = explore_every, max_explore_every, settle_after
         self.current: dict[int, Setting] = {}
         self.choices: dict[int, Choice] = {}
@@ -287,11 +293,28 @@ class AutoTuner:
                 self._picked.pop(bucket, None)
                 self._memo.pop(bucket, None)
                 return refresh
+        confirm = self._confirm_setting(choice, bucket)
+        if confirm is not None:
+            self.explored["confirm"] += 1
+            return confirm
         grow = self.grow_setting(choice, bucket)
         if grow is not None:
             self.explored["grow"] += 1
             return grow
         return choice.setting
+
+    def _confirm_setting(self, choice: Choice, bucket: int) -> Setting | None:
+        """The tree that a confirming round runs now (see the module's notes), else None."""
+        tree = choice.runner_up
+        if (not self.confirm_every or choice.setting != PLAIN or tree is None or tree.mode == "ar"
+                or choice.runner_up_tokens_per_s < choice.plain_tokens_per_s * (1.0 + self.margin)):
+            self._plain_since.pop(bucket, None)
+            return None
+        self._plain_since[bucket] += 1
+        if self._plain_since[bucket] < self.confirm_every:
+            return None
+        self._plain_since[bucket] = 0
+        return tree
 
     def _settle(self, bucket: int, s: Setting) -> None:
         if s.mode != "treeflash" or bucket in self.settled or not self.settle_after:

@@ -50,12 +50,19 @@ def cost_key(runner, sources, dtype: str) -> CostKey:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu x{torch.get_num_threads()}"
     return CostKey(pair_fingerprint(*sources), name, dtype, runner.name, __version__, max_batch=runner.max_batch,
                    capacity=runner.capacity, block_size=runner.block_size,
-                   options=f"graphs={runner.use_graphs} kernels={runner.fast_kernels} compiled={runner.compiled}")
+                   options=f"graphs={runner.use_graphs} kernels={runner.fast_kernels} compiled={runner.compiled} "
+                           f"draft_vocab={_draft_vocab(runner)}")
+
+
+def _draft_vocab(runner) -> int:
+    """How many tokens the runner's drafter ranks (the whole vocabulary without a draft vocabulary)."""
+    return int(getattr(runner, "draft_vocab_size", None) or runner.vocab_size)
 
 
 def acceptance_key(runner, sources, drafter_temperature: float) -> dict | None:
-    """What a learnt acceptance model depends on: the pair's content, B and the drafter temperature
-    (None when the pair has no folders to name it by, e.g. a pair built in memory)."""
+    """What a learnt acceptance model depends on: the pair's content, B, the draft vocabulary's size
+    and the drafter temperature (None when the pair has no folders to name it by, e.g. a pair built in
+    memory)."""
     from treeflash_export.checkpoints import checkpoint_fingerprint
 
     from treeflash_export import __version__
@@ -64,7 +71,8 @@ def acceptance_key(runner, sources, drafter_temperature: float) -> dict | None:
     if len(folders) < 2:
         return None
     return {"pair": [checkpoint_fingerprint(Path(f)) for f in folders], "block_size": runner.block_size,
-            "drafter_temperature": float(drafter_temperature), "version": __version__}
+            "draft_vocab": _draft_vocab(runner), "drafter_temperature": float(drafter_temperature),
+            "version": __version__}
 
 
 def largest_tree(runner) -> int:
@@ -240,7 +248,8 @@ class TreeTuner:
 
 def observation(s: Setting, raw: dict) -> Observation:
     """The runner's report of one round's nodes (tree order) -> an Observation in best-first order
-    (score descending; padding nodes, score -inf, dropped)."""
+    (score descending; padding nodes, score -inf, dropped). Of a report over a larger tree than the
+    round verified (``verified`` nodes), only the verified best are labelled: the rest predict."""
     scores = np.asarray(raw["scores"], dtype=float)
     keep = np.isfinite(scores)
     order = np.argsort(-scores[keep], kind="stable")
@@ -248,6 +257,7 @@ def observation(s: Setting, raw: dict) -> Observation:
     def pick(name, dtype):
         return np.asarray(raw[name], dtype=dtype)[keep][order]
 
-    return Observation(mode=s.mode, scores=scores[keep][order], accepted=pick("accepted", float) > 0.5,
+    verified = int(raw.get("verified", len(scores)))
+    return Observation(mode=s.mode, scores=scores[keep][order], accepted=pick("accepted", float)[:verified] > 0.5,
                        top_m=s.top_m, top_k=s.top_k, m_rank=pick("m_rank", float).astype(int),
                        k_rank=pick("k_rank", float).astype(int))

@@ -603,3 +603,19 @@ def test_measured_round_times_correct_the_predictions():
     tuner.acceptance.rounds = 101
     assert tuner._choose(1, None).setting == PLAIN
     assert tuner.report()["measured_over_predicted_ms"]["1 tree"] > 1.5
+
+
+def test_a_tree_held_back_only_by_its_doubt_runs_every_fourth_round():
+    """Predicted 1.10x plain decoding with no round supporting it: below the margin plus the doubt, so
+    plain decoding is chosen, but the tree runs every fourth round to confirm (or refute) it; at 1.03x
+    (below the margin alone) it never runs, and once well supported it is simply chosen."""
+    cost = CostModel({1: BucketCosts(ar=10, draft=0, verify={4: 20}, expand={(1, 16): 0}, tree={4: 0}, other=0)})
+    tree = Setting("treeflash", 4, 1, 16)
+    for tokens, support, want in ((2.2, 0.0, [PLAIN] * 3 + [tree]), (2.06, 0.0, [PLAIN] * 4),
+                                  (2.2, 400.0, [tree] * 4)):
+        tuner = AutoTuner(cost, AcceptanceModel(), [PLAIN, tree], B, explore_every=0)
+        tuner.acceptance = FixedAcceptance(lambda s, t=tokens: t)
+        tuner.acceptance.rounds, tuner.acceptance.support = 0, (lambda s, n=support: n)
+        picked = [tuner.setting(1) for _ in range(12)]
+        assert picked == want * 3, (tokens, support, picked)
+        assert tuner.explored["confirm"] == (3 if want[-1] == tree and want[0] == PLAIN else 0)

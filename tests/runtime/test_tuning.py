@@ -12,13 +12,13 @@ import torch
 from click.testing import CliRunner
 from conftest import PROMPTS, hf_greedy
 from oracle import OracleRunner
-
-from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_runtime import generate
 from treeflash_runtime.backends.torch_backend import TorchRunner
 from treeflash_runtime.tuner.cache import CostCache
 from treeflash_runtime.tuner.cost import BucketCosts, CostModel
 from treeflash_runtime.tuner.online import TreeTuner, cost_key
+
+from treeflash_export.config import SamplingConfig, TreeConfig
 
 
 def costs(ar: float, tree_part: float) -> CostModel:
@@ -200,7 +200,6 @@ def test_with_graphs_the_probe_times_a_replay_of_each_part(load):
     its replays (an eager stand-in for the capture here, as the CPU tests of the captured round do):
     one capture per part and parameters, none of them made inside another, the state put back."""
     from test_device_round import EagerReplay
-
     from treeflash_runtime.tuner.cost import default_grid, measure
 
     pair = load("qwen3")
@@ -224,3 +223,38 @@ def test_with_graphs_the_probe_times_a_replay_of_each_part(load):
         assert {"z", "tables"} <= set(runner._probe_memo)  # made eagerly, outside every capture
     c = model.buckets[1]
     assert c.ar > 0 and set(c.verify) == set(grid.verify_nodes) and c.expand["chain"] > 0
+
+
+def test_a_round_reports_a_tree_twice_its_size_and_labels_only_what_it_verified(load, monkeypatch):
+    """With the self-tuning tree observing, a round at N = 8 reports the 16-node tree of the same tables:
+    its best 7 nodes are the verified tree's (same scores, same labels from verification, the rest
+    unlabelled), so the acceptance model sees the next size up without running it."""
+    import numpy as np
+    from treeflash_runtime.backends import torch_backend
+    from treeflash_runtime.tuner.online import observation
+    from treeflash_runtime.tuner.setting import Setting
+
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    want = hf_greedy(pair.verifier, ids, 24)
+    tree = TreeConfig(mode="treeflash", tree_size=8, top_m=2, top_k=4)
+    real = torch_backend.observed_size
+
+    def one_round(observed_size):
+        monkeypatch.setattr(torch_backend, "observed_size", observed_size)
+        runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + want, seed=5)
+        runner.observing = True
+        t = tree.resolved(runner.block_size)
+        runner.begin(torch.tensor(ids), t, SamplingConfig())
+        gained = runner.round()
+        raw = runner.observation(0, t)
+        return observation(Setting(t.mode, t.tree_size, t.top_m, t.top_k), raw), raw, gained
+
+    small, _, gained = one_round(lambda t: t.tree_size)
+    big, raw, gained_big = one_round(real)
+    assert gained_big == gained and len(gained) >= 3  # the oracle's path: accepted drafts plus the bonus
+    assert raw["verified"] == 7 and len(raw["scores"]) == 15 and len(big.scores) == 15
+    np.testing.assert_allclose(big.scores[:7], small.scores)
+    assert big.accepted.tolist() == small.accepted.tolist() and int(small.accepted.sum()) == len(gained) - 1
+    assert torch_backend.observed_size(TreeConfig(mode="chain", tree_size=8)) == 8
+    assert torch_backend.observed_size(TreeConfig(tree_size=48)) == 64

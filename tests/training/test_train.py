@@ -62,6 +62,14 @@ def test_loss_falls_and_drafter_loads_in_released_layout(trained):
     model, cfg, layout = load_drafter(out, dtype=torch.float32, device="cpu")
     assert layout == "treeflash" and cfg.has_head and cfg.block_size == 4 and len(cfg.target_layer_ids) == 2
     assert model.ar_approximation.d.weight.abs().sum() > 0  # the head was trained (it starts at zero)
+    # Its draft vocabulary: every token of the training data (the training softmax's), most frequent
+    # among the continuations first.
+    data = torch.load(next((trained[1] / "work").glob("train-*.pt")), weights_only=False)
+    tokens = data["tokens"].long()
+    assert sorted(model.vocab_order) == torch.unique(tokens).tolist()
+    counts = torch.bincount(tokens[:, CFG.prompt_tokens:].flatten(), minlength=cfg.vocab_size)
+    assert [int(counts[t]) for t in model.vocab_order] == sorted((int(counts[t]) for t in model.vocab_order),
+                                                              reverse=True)
 
 
 def test_checkpoint_round_trips(trained):

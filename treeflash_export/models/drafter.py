@@ -267,3 +267,6 @@ class TreeFlashDrafter(nn.Module):
         self.ar_approximation = (
             ARApproximationHead(cfg.hidden_size, cfg.intermediate_size) if cfg.has_head else None
         )
+        # The tokens it learnt to rank, most frequent first (a folder's draft-vocab.json), or None: see
+        # models.draft_vocab. Not a weight: loading sets it.
+        self.vocab_order: list[int] | None = None

@@ -9,6 +9,8 @@ All three modes produce the same table format, so one tree builder serves them:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,10 +35,19 @@ def top_logprobs(logits: torch.Tensor, k: int, temperature: float,
     return top.values, top.indices
 
 
-def marginal_tables(logits: torch.Tensor, top_k: int, temperature: float, topk_kernel: bool = False) -> Tables:
+def _token_ids(indices: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """Indices into the logits' last dimension -> token ids (the draft vocabulary's rows, when the
+    logits are over a draft vocabulary; see models.draft_vocab)."""
+    return indices if vocab_ids is None else vocab_ids[indices]
+
+
+def marginal_tables(logits: torch.Tensor, top_k: int, temperature: float, topk_kernel: bool = False,
+                    vocab_ids: torch.Tensor | None = None) -> Tables:
     """logits [B, V] of block positions 0..B-1 -> tables with one row per depth (positions 1..B-1).
-    topk_kernel: see top_logprobs."""
+    topk_kernel: see top_logprobs. vocab_ids [V]: the token id of each logit column, when the logits
+    are over a draft vocabulary (None: column = token id)."""
     values, indices = top_logprobs(logits[1:], top_k, temperature, topk_kernel)
+    indices = _token_ids(indices, vocab_ids)
     tokens, logprobs = indices[:, None, :], values[:, None, :]
     # Row 0 of the next depth; the last depth's children are leaves. Built from device tensors
     # (no number assigned into a tensor: that is a host-to-device copy, not allowed in a CUDA graph).
@@ -46,24 +57,27 @@ def marginal_tables(logits: torch.Tensor, top_k: int, temperature: float, topk_k
 
 def treeflash_tables(
     z: torch.Tensor,  # [B, H] drafter residual stream (pre-norm)
-    logits: torch.Tensor,  # [B, V] marginal logits = lm_head(norm(z))
+    logits: torch.Tensor,  # [B, V] marginal logits = lm_head(norm(z)) (V: the draft vocabulary's size)
     root: torch.Tensor,  # [1] the root token
     *,
     head: ARApproximationHead,
     norm: nn.Module,
     embed_tokens: nn.Module,
-    lm_head: nn.Module,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],  # hidden states -> logits (a module or a draft head)
     top_m: int,
     top_k: int,
     temperature: float,
     fused: bool = False,
     topk_kernel: bool = False,
+    vocab_ids: torch.Tensor | None = None,
 ) -> Tables:
     """fused: the head and final norm through ``torch.ops.treeflash.mlp_expand`` (Triton kernels on
     CUDA, one custom node in ONNX) instead of the module composition; same math. topk_kernel: the
-    conditional logits' top K through the top-k kernels (see top_logprobs)."""
+    conditional logits' top K through the top-k kernels (see top_logprobs). vocab_ids: with a draft
+    vocabulary, ``lm_head`` gives its rows' logits and vocab_ids [V] their token ids."""
     B, H = z.shape
-    candidates = logits[:-1].topk(top_m, dim=-1).indices  # [B-1, M], parents for positions 1..B-1
+    # [B-1, M], parents for positions 1..B-1
+    candidates = _token_ids(logits[:-1].topk(top_m, dim=-1).indices, vocab_ids)
     # Position 0 is the known root: it stands in for all M candidates.
     parent_ids = torch.cat([root.reshape(1, 1).expand(1, top_m), candidates[1:]], dim=0)
     if fused:
@@ -77,4 +91,5 @@ def treeflash_tables(
         states = norm(z[1:, None, :] + delta)
     cond_logits = lm_head(states)  # [B-1, M, V]
     values, indices = top_logprobs(cond_logits, top_k, temperature, topk_kernel)
+    indices = _token_ids(indices, vocab_ids)
     return Tables(indices, values, link_next_rows(indices, candidates))

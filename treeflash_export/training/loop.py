@@ -451,6 +451,7 @@ def _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name, data
     """The drafter, in the released TreeFlash layout, written atomically (fp16 weights)."""
     from safetensors.torch import save_file
 
+    from ..models import draft_vocab
     from .sources import describe
 
     corpus = describe(cfg.mix, [str(p) for p in data_files], source)
@@ -459,6 +460,11 @@ def _write_drafter(out, drafter, hf_cfg, cfg, history, data, verifier_name, data
         hf_cfg.save_pretrained(tmp)
         save_file({k: v.to(torch.float16).cpu().contiguous() for k, v in drafter.state_dict().items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # The tokens it learnt to rank (the runtime's draft vocabulary): every token of the training
+        # data, most frequent among the positions it was trained to predict (the continuations) first.
+        tokens = data["train"]["tokens"]
+        draft_vocab.write(tmp, draft_vocab.token_order(tokens, tokens[:, cfg.prompt_tokens:]),
+                          source="the training data of this drafter (training.json says which)")
         (tmp / "training.json").write_text(json.dumps(
             {"config": dataclasses.asdict(cfg), "verifier": verifier_name, "history": history,
              "processes": world.size, "global_batch": global_batch,
