@@ -68,8 +68,9 @@ class RoundState:
     draft_kv  [Ld, 2, Hkv, M * S', D]  drafter context caches; slots < past_len - pending_count are filled
     past_len  [M] int64   committed tokens
     root      [M] int64   the last emitted token: node 0 of the next tree, at position past_len
-    pending   [M, B, F]   verifier features of the tokens the last round committed, still to enter
-                          the drafter's cache (positions past_len - pending_count ..)
+    pending   [M, R, F]   verifier features of the tokens the last round committed, still to enter
+                          the drafter's cache (positions past_len - pending_count ..); R = B, or
+                          PREFILL_CHUNK eagerly on the CPU (plain steps append to it, see _keep_context)
     pending_count [M] int64
     out       [M, B + 1] int64  out[m, 0] = tokens gained by slot m in the last call, then the tokens
     active    [M] bool    the round advances this slot (False: idle, or still being prefilled)
@@ -189,6 +190,12 @@ class TorchRunner(Runner):
         self._marks: list | None = None  # (stage, start, end) CUDA events recorded into a timing capture
         self.buckets = bucket_sizes(self.max_batch)
         self.slot_size = self.capacity + max(PREFILL_CHUNK, self.block_size)
+        # Eagerly (no graph, no compile: shapes may follow host values) the pending drafter context holds
+        # up to PREFILL_CHUNK rows, so plain steps inside a tuned generation append their features and a
+        # drafter pass takes many at once (see _keep_context); else the block's B rows.
+        self.lazy_context = self.device.type == "cpu" and not compile
+        self._pending_bound: int | None = 0  # a host-side upper bound of pending_count (None: read it)
+        self._slot_rows = torch.arange(self.max_batch, device=self.device)
         self.state = self._allocate(tree, tree_size_by_batch)
         # The host's mirror of what it knows without reading the device: each slot's committed length
         # (from the tokens each call returns) and its request's sampling kind.
@@ -227,7 +234,8 @@ class TorchRunner(Runner):
         zeros = torch.zeros(M, dtype=torch.long, device=dev)
         return RoundState(
             kv=caches["verifier cache"], draft_kv=caches.get("drafter cache"), past_len=zeros.clone(),
-            root=zeros.clone(), pending=torch.zeros(M, self.block_size, feat, dtype=self.dtype, device=dev),
+            root=zeros.clone(), pending=torch.zeros(M, max(self.block_size, PREFILL_CHUNK) if self.lazy_context
+                                                    else self.block_size, feat, dtype=self.dtype, device=dev),
             pending_count=zeros.clone(), out=torch.zeros(M, self.block_size + 1, dtype=torch.long, device=dev),
             active=torch.zeros(M, dtype=torch.bool, device=dev),
             temperature=torch.zeros(M, dtype=torch.float32, device=dev),
@@ -247,18 +255,23 @@ class TorchRunner(Runner):
         self.tree = checked_tree(self, tree)
         self.tree_by_bucket = tree_sizes_by_bucket(self.buckets, self.tree, tree_size_by_batch or {})
         self.bucket_trees: dict[int, TreeConfig | None] = {}
+        self._bucket_asked: dict[int, TreeConfig | None] = {}  # the tree each bucket was last given
         self.max_tree_size = max(self.tree_by_bucket.values())  # the largest tree a round builds
 
     def set_bucket_tree(self, b: int, tree: TreeConfig | None) -> None:
         """The tree the rounds of bucket b use from now on (the self-tuning tree's choice for that
         bucket; None: the deployment's again). It may not be larger than the deployment's tree, which
         sized the caches and the capacity check."""
+        if tree is not None and tree is self._bucket_asked.get(b):
+            return  # the same object as last time: already checked and set
+        asked = tree
         if tree is not None:
             tree = checked_tree(self, tree)
             if tree.tree_size > self.max_tree_size:
                 raise ConfigError(f"a tree of {tree.tree_size} nodes is larger than this deployment's "
                                   f"{self.max_tree_size}")
         self.bucket_trees[b] = tree
+        self._bucket_asked[b] = asked
 
     def set_tree(self, tree: TreeConfig) -> None:
         """The next rounds' tree setting (one sequence; the self-tuning tree changes it between rounds)."""
@@ -469,6 +482,7 @@ class TorchRunner(Runner):
             with self._stage("accept"):
                 self._commit_plain(b, y[:, 0])
             return
+        self._pending_bound = None  # the round's commit sets each slot's pending count anew
         with self._stage("draft"):
             z = self.draft(b, bound)
         with self._stage("expand"):
@@ -497,7 +511,10 @@ class TorchRunner(Runner):
         P, count = st.past_len[:b], st.pending_count[:b]
         block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
         block = torch.cat([st.root[:b, None], block[:, 1:]], dim=1)
-        return self.drafter.model.forward_cached(st.pending[:b], P - count, count,
+        pending = st.pending[:b]
+        if self.lazy_context and not self.use_graphs:  # only the rows some slot holds (more than a block)
+            pending = pending[:, : max(1, int(count.max()))]
+        return self.drafter.model.forward_cached(pending, P - count, count,
                                                  self.verifier.embed_tokens(block), self._first(st.draft_kv, b),
                                                  key_bound=bound)
 
@@ -547,17 +564,23 @@ class TorchRunner(Runner):
 
     def _keep_context(self, b: int, feats: torch.Tensor, bound: int) -> None:
         """Plain decoding inside a speculative generation: the step's own features join the pending
-        context, so a tree round may follow. On the CPU they are appended while the pending buffer has
-        room (the next drafter pass takes them all at once); on CUDA, where the round is one fixed-shape
-        graph, the pending context enters the drafter's cache now and the step's features replace it."""
+        context, so a tree round may follow. Eagerly on the CPU they are appended while the pending
+        buffer (PREFILL_CHUNK rows) has room, with a host-side bound on the counts, and the next drafter
+        pass takes them all at once; on CUDA, where the round is one fixed-shape graph, the pending
+        context enters the drafter's cache now and the step's features replace it."""
         st = self.state
         count, active = st.pending_count[:b], st.active[:b]
-        if self.device.type == "cpu" and int(count.max()) < st.pending.shape[1]:
-            rows = torch.arange(b, device=self.device)
-            keep = torch.where(active, count, torch.zeros_like(count))
-            st.pending[rows, keep] = torch.where(active[:, None], feats[:, 0].to(st.pending.dtype), st.pending[rows, keep])
-            st.pending_count[:b] = torch.where(active, count + 1, count)
-            return
+        if self.lazy_context and not self.use_graphs:
+            if self._pending_bound is None:
+                self._pending_bound = int(st.pending_count.max())
+            if self._pending_bound < st.pending.shape[1]:
+                # Row `count` of every slot (an inactive slot's row there is past what it holds, so
+                # writing it is harmless); only active slots count it.
+                st.pending[self._slot_rows[:b], count] = feats[:, 0].to(st.pending.dtype)
+                st.pending_count[:b] += active
+                self._pending_bound += 1
+                return
+            self._pending_bound = 1  # the buffer is full: it enters the drafter's cache now
         self.drafter.model.forward_cached(st.pending[:b], st.past_len[:b] - count, count, None,
                                           self._first(st.draft_kv, b), key_bound=bound)
         st.pending[:b, :1] = torch.where(active[:, None, None], feats[:, :1].to(st.pending.dtype), st.pending[:b, :1])
@@ -724,6 +747,7 @@ class TorchRunner(Runner):
         def restore():
             for dst, src in zip(tensors, saved):
                 dst.copy_(src)
+            self._pending_bound = None  # the pending counts may be others now
 
         try:
             yield restore

@@ -64,6 +64,7 @@ class Realised:
         self.model, self.ema = model, ema
         self.ratio: dict[tuple[int, bool], float] = {}
         self.seen: dict[tuple[int, bool], int] = {}
+        self._steps: dict[tuple[int, bool], tuple[float, int]] = {}  # key -> (ratio at the last step, steps)
 
     def round_ms(self, s: Setting, b: int = 1) -> float:
         return self.model.round_ms(s, b) * self.ratio.get((b, s.mode == "ar"), 1.0)
@@ -81,9 +82,19 @@ class Realised:
         self.ratio[key] = (1 - a) * self.ratio.get(key, 1.0) + a * r
 
     def version(self, b: int) -> tuple:
-        """What the corrections are now, in steps of about 5% (a choice made under them is reused while
-        it holds: the choice costs far more than a round of a small model)."""
-        return tuple(round(20 * math.log(self.ratio.get((b, k), 1.0))) for k in (True, False))
+        """What the corrections are now: a count per ratio that steps when the ratio has moved 5% since
+        its last step (a choice made under them is reused while it holds: the choice costs far more
+        than a round of a small model, and a ratio hovering at a fixed boundary would step every few
+        rounds)."""
+        out = []
+        for key in ((b, True), (b, False)):
+            r = self.ratio.get(key, 1.0)
+            at, steps = self._steps.get(key, (r, 0))
+            if abs(math.log(r / at)) > 0.05:
+                at, steps = r, steps + 1
+            self._steps[key] = (at, steps)
+            out.append(steps)
+        return tuple(out)
 
     def __getattr__(self, name):  # everything else: the measured model's
         return getattr(self.model, name)
@@ -107,10 +118,12 @@ class AutoTuner:
         self._gap: dict[int, int] = {}  # bucket -> rounds between refreshes
         self._since: Counter = Counter()  # bucket -> rounds since the last refresh
         self._refreshed: dict[int, Setting] = {}  # bucket -> the choice when a refresh ran
+        self._due: dict[int, Setting | None] = {}  # bucket -> the refresh that waits for its time budget
         self._next_family = 0
         self._picked: dict[int, Counter] = {}  # bucket -> (M, K) of TreeFlash choices so far
         self.settled: dict[int, tuple[int, int]] = {}  # bucket -> TreeFlash's (M, K)
         self._memo: dict[int, tuple] = {}  # bucket -> (what the choice depended on, the choice)
+        self._informed: set[str] = set()  # the families some round has informed
 
     # ------------------------------------------------------------------ what to explore
     def families(self) -> list[str]:
@@ -135,8 +148,11 @@ class AutoTuner:
                    key=lambda s: (self.prior_tokens(s) / max(self.cost.round_ms(s, bucket), 1e-9), -s.tree_size))
 
     def _known(self, family: str) -> bool:
-        return any(self.acceptance.expected(s, None, self.block_size) is not None
-                   for s in self.candidates if s.mode == family)
+        """Whether a round has informed the family (once it has, it stays informed)."""
+        if family not in self._informed and any(self.acceptance.expected(s, None, self.block_size) is not None
+                                                for s in self.candidates if s.mode == family):
+            self._informed.add(family)
+        return family in self._informed
 
     def _rate(self, s: Setting, tokens: float, bucket: int) -> float:
         return tokens / max(self.cost.round_ms(s, bucket), 1e-9)
@@ -278,14 +294,18 @@ class AutoTuner:
         self._settle(bucket, choice.setting)
         self._since[bucket] += 1
         if self.explore_every and self._since[bucket] >= self._gap.get(bucket, self.explore_every):
-            refresh = self._refresh_setting(bucket, choice.setting)
-            # A refresh round may cost several of the chosen ones: it waits until it is at most
-            # `explore_share` of the time spent since the last one.
+            # The refresh is picked once when it falls due, then waits: a refresh round may cost several
+            # of the chosen ones, so it runs once it is at most `explore_share` of the time spent since
+            # the last one.
+            if bucket not in self._due:
+                self._due[bucket] = self._refresh_setting(bucket, choice.setting)
+            refresh = self._due[bucket]
             spent = self._since[bucket] * self.cost.round_ms(choice.setting, bucket)
             if refresh is not None and self.cost.round_ms(refresh, bucket) > self.explore_share * spent:
                 refresh = None
             else:
                 self._since[bucket] = 0
+                del self._due[bucket]
             if refresh is not None:
                 self.explored["refresh"] += 1
                 self._refreshed[bucket] = choice.setting

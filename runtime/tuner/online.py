@@ -122,8 +122,9 @@ class TreeTuner:
         self.max_tree_size = max(s.tree_size for s in auto.candidates)  # what the caches must leave room for
         self.drafter_temperature = drafter_temperature
         self.current: Setting | None = None
-        self.used: Counter = Counter()
-        self.tokens: Counter = Counter()  # tokens gained per setting label
+        self.used: Counter = Counter()  # rounds per Setting
+        self.tokens: Counter = Counter()  # tokens gained per Setting
+        self._configs: dict[Setting, TreeConfig] = {}
 
     @classmethod
     def for_runner(cls, runner, fixed: dict, *, sources, dtype: str, retune: bool = False, log=None,
@@ -213,9 +214,12 @@ class TreeTuner:
         self._note = None
         s = self.auto.setting(bucket)
         self.current = s
-        self.used[s.label()] += 1
-        return TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k,
-                          drafter_temperature=self.drafter_temperature)
+        self.used[s] += 1
+        tree = self._configs.get(s)
+        if tree is None:  # one TreeConfig per setting: the runner then sees the same object again
+            tree = self._configs[s] = TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k,
+                                                 drafter_temperature=self.drafter_temperature)
+        return tree
 
     def round_took(self, seconds: float, bucket: int = 1) -> None:
         """The wall-clock time of the round that just ran (corrects the cost model's predictions). With
@@ -230,7 +234,7 @@ class TreeTuner:
         gained: the tokens it gave (for the report of realised tokens per setting)."""
         s = self.current
         if s is not None and gained is not None:
-            self.tokens[s.label()] += gained
+            self.tokens[s] += gained
         raw = None if s is None or s.mode == "ar" else runner.observation(slot, self._tree(s))
         self.auto.observe(None if raw is None else observation(s, raw))
 
@@ -239,8 +243,9 @@ class TreeTuner:
 
     def report(self) -> dict:
         rep = self.auto.report()
-        rep["settings_used"] = dict(self.used)
-        rep["realised_tokens_per_round"] = {k: self.tokens[k] / n for k, n in self.used.items() if k in self.tokens}
+        rep["settings_used"] = {s.label(): n for s, n in self.used.items()}
+        rep["realised_tokens_per_round"] = {s.label(): self.tokens[s] / n for s, n in self.used.items()
+                                            if s in self.tokens}
         rep["cost_ms"] = {str(b): c.to_json() for b, c in self.auto.cost.buckets.items()}
         rep["resumed_acceptance"] = self.resumed
         return rep
