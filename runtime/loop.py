@@ -155,7 +155,7 @@ def generate(
             gained = runner.round()
             if tuner is not None:
                 tuner.round_took(time.perf_counter() - t_round)
-                tuner.after_round(runner, gained=len(gained))
+                tuner.after_round(runner, gained=len(gained), tokens=gained)
             stats.rounds += 1
             stats.accept_lengths.append(len(gained))
             done = out.emit(gained)

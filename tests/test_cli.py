@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import hf_greedy
+from treeflash_runtime.cli import main as run_main
 
 from treeflash_export.cli import main as export_main
 from treeflash_export.tiny import write_tiny_pair
-from treeflash_runtime.cli import main as run_main
 
 JSON_KEYS = {"text", "token_ids", "mode", "backend", "rounds", "accept_lengths", "mean_accepted", "new_tokens",
              "elapsed_s", "tokens_per_s"}
@@ -28,10 +28,11 @@ def pair_args(d: Path):
     return ["--model", d / "verifier", "--drafter", d / "drafter"]
 
 
-@pytest.mark.parametrize("mode", ["treeflash", "marginal", "chain", "ar"])
-def test_json_output_is_one_object_and_exact(pair_dirs, load, mode):
+@pytest.mark.parametrize("mode,draft_vocab", [("treeflash", "auto"), ("marginal", "auto"), ("chain", "auto"),
+                                              ("ar", "auto"), ("treeflash", 40)])
+def test_json_output_is_one_object_and_exact(pair_dirs, load, mode, draft_vocab):
     r = invoke(*pair_args(pair_dirs["qwen3"]), "--prompt", "def main():", "--mode", mode, "--max-new-tokens", 24,
-               "--tree-size", 16, "--ignore-eos", "--json")
+               "--tree-size", 16, "--ignore-eos", "--json", "--draft-vocab", draft_vocab)
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -148,6 +149,8 @@ def test_unknown_layout_and_missing_keys(pair_dirs, tmp_path):
     (["--temperature", -1], ["--temperature"]),
     (["--top-p", 0], ["--top-p"]),
     (["--max-new-tokens", 0], ["--max-new-tokens"]),
+    (["--draft-vocab", -3], ["--draft-vocab -3", "between 1 and the vocabulary size"]),
+    (["--mode", "marginal", "--tree-size", 8, "--top-k", 8, "--draft-vocab", 4], ["--top-k 8", "vocabulary 4"]),
 ])
 def test_tree_and_sampling_settings_out_of_range(pair_dirs, flags, words):
     assert_one_line_error(invoke(*pair_args(pair_dirs["qwen3"]), "--prompt", "x", *flags), *words)

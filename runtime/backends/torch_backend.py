@@ -38,7 +38,14 @@ from treeflash_export.models.expand import marginal_tables, treeflash_tables
 from treeflash_export.tree import Tables, Tree, build_tree, node_paths, on_accepted_path
 
 from ..loop import checked_tree
-from ..sampling import GREEDY, NUCLEUS, SAMPLE, accept, choose_tokens_keyed, sampling_kind
+from ..sampling import (
+    GREEDY,
+    NUCLEUS,
+    SAMPLE,
+    accept,
+    choose_tokens_keyed,
+    sampling_kind,
+)
 from .base import Runner, allocate_caches
 from .slots import bucket_sizes, power_of_two_groups, tree_sizes_by_bucket
 
@@ -207,6 +214,8 @@ class TorchRunner(Runner):
         # the drafter's context current so that a tree round may follow any of them.
         self.observing = False
         self.keep_context = False
+        # Set by the self-tuning tree for a plain step: the tree to draft and score (not verify) after it.
+        self.probe_tree: TreeConfig | None = None
         self.compiled = bool(compile)
         if self.compiled:
             self._compile_steps()
@@ -481,6 +490,9 @@ class TorchRunner(Runner):
                     self._keep_context(b, feats, bound)
             with self._stage("accept"):
                 self._commit_plain(b, y[:, 0])
+            if self.probe_tree is not None and self.observing and self.keep_context:
+                with self._stage("probe"):
+                    self._probe_scores(b, self.probe_tree, bound)
             return
         self._pending_bound = None  # the round's commit sets each slot's pending count anew
         with self._stage("draft"):
@@ -503,6 +515,35 @@ class TorchRunner(Runner):
             y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + depths + 1, kind)
         with self._stage("accept"):
             self._commit(b, trees, y, feats, seen)
+
+    def _probe_scores(self, b: int, tree: TreeConfig, bound: int) -> None:
+        """After a plain step: the tree ``tree`` would have drafted from here, built and scored but not
+        verified, reported like a round's nodes without labels (the self-tuning tree's score probe: how
+        confident the drafter is on this request, while plain decoding runs). The drafter's pending
+        context enters its cache on the way, as the next tree round would do it."""
+        st = self.state
+        root = st.root[:b]
+        z = self.draft(b, bound)
+        tables = Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, tree)), root[:, None], z))
+        n = observed_size(tree)
+        seen = Tree(*_fields(self.build_tree(tables, root, n)))
+        score, m_rank, k_rank = node_paths(tables, seen)
+        self._probe_nodes = (seen.tokens, seen.parents)  # for labels in hindsight (probe_observation)
+        st.obs_score[:b, :n] = score
+        st.obs_rank[:b, 0, :n] = m_rank
+        st.obs_rank[:b, 1, :n] = k_rank
+
+    def probe_observation(self, slot: int) -> dict | None:
+        """The last plain step's score probe of ``slot`` (see _probe_scores), as ``observation`` reports
+        a round: scores and ranks, no node verified, plus each node's token and parent (0: the root) so
+        that the tokens committed next can label it; None when the step ran no probe."""
+        tree = self.probe_tree
+        if tree is None or not self.observing or observed_size(tree) > OBS_NODES:
+            return None
+        raw = self.observation(slot, tree)
+        tokens, parents = self._probe_nodes
+        raw.update(verified=0, tokens=tokens[slot, 1:].tolist(), parents=parents[slot, 1:].tolist())
+        return raw
 
     def draft(self, b: int = 1, bound: int = 0) -> torch.Tensor:
         """Stage 1 for slots 0..b-1: each slot's pending context enters its drafter cache, then its block

@@ -147,7 +147,7 @@ class ChainEstimate:
 class RequestStream:
     """One request's own calibration counts (no decay), blended with the deployment's."""
 
-    def __init__(self, blend: float = 16.0):
+    def __init__(self, blend: float = 4.0):
         self.blend = blend
         self.calibrators = {"treeflash": Calibrator(), "marginal": Calibrator()}
         self.rounds = 0
@@ -165,7 +165,7 @@ class AcceptanceModel:
     """
 
     def __init__(self, sizes=TREE_SIZES, top_ms=TOP_MS, top_ks=TOP_KS, ema: float = 0.05,
-                 prior_strength: float = 4.0, decay: float = 0.999):
+                 prior_strength: float = 4.0, decay: float = 0.995):
         self.sizes = np.array(sorted(sizes))
         self.ema = ema
         self.calibrators = {f: Calibrator(prior_strength, decay) for f in ("treeflash", "marginal")}
@@ -185,22 +185,32 @@ class AcceptanceModel:
         self._coef_memo: dict = {}
         self._combo_at = {f: {mk: i for i, mk in enumerate(c)} for f, c in self.combos.items()}
         self._size_at = {int(n): i for i, n in enumerate(self.sizes)}
+        self._fresh = 1 << 30  # rounds averaged since restart_averages (none called: the moving average)
+
+    def restart_averages(self) -> None:
+        """The next rounds weigh more in the averages (see _observe_curves): a new request begins."""
+        self._fresh = 0
 
     # ---- learning --------------------------------------------------------------------------
     def observe(self, obs: Observation, stream: RequestStream | None = None) -> None:
-        """Feeds one verified round to the calibration, the averages and the chain estimate."""
+        """Feeds one round to the calibration, the averages and the chain estimate. A round whose
+        nodes carry no labels (a score probe: drafted, not verified) feeds the averages only."""
         scores = np.asarray(obs.scores, dtype=float)
         accepted = np.asarray(obs.accepted, dtype=bool)
         if len(accepted) > len(scores):
             raise ValueError(f"{len(accepted)} acceptance labels for {len(scores)} scored nodes")
         fam = _family(obs.mode)
         self._coef_memo.clear()
+        self.rounds += 1
+        if not len(accepted):
+            if obs.mode != "chain":
+                self._observe_curves(fam, obs, scores)
+            return
         labelled = scores[: len(accepted)]
         self.calibrators[fam].update(labelled, accepted)
         if stream is not None:
             stream.calibrators[fam].update(labelled, accepted)
             stream.rounds += 1
-        self.rounds += 1
         if obs.mode == "chain":
             self._observe_chain(scores, accepted)
             return
@@ -241,7 +251,10 @@ class AcceptanceModel:
         full = ((self.sizes[None, :] - 1 <= have[:, None]) & (ms <= obs_m)[:, None] & (ks <= obs.top_k)[:, None]
                 & informed[:, None])  # [C, S]
         part = np.broadcast_to(informed[:, None], full.shape)
-        a = self.ema
+        # After restart_averages the rounds weigh as a plain mean with the past as one of them (1/2,
+        # 1/3, ...) until that falls to `ema`: a new request's scores replace the old traffic's quickly.
+        self._fresh += 1
+        a = max(self.ema, 1.0 / (self._fresh + 1))
         if full[0, 0]:  # the reference point (smallest M, K and N) beside every point this round saw whole
             ref = self.full_ref[fam]
             ref[full] = (1 - a) * ref[full] + a * stats[0, 0]

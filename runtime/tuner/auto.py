@@ -124,6 +124,7 @@ class AutoTuner:
         self.settled: dict[int, tuple[int, int]] = {}  # bucket -> TreeFlash's (M, K)
         self._memo: dict[int, tuple] = {}  # bucket -> (what the choice depended on, the choice)
         self._informed: set[str] = set()  # the families some round has informed
+        self.exploring = False  # whether the last setting() was an exploration round
 
     # ------------------------------------------------------------------ what to explore
     def families(self) -> list[str]:
@@ -227,8 +228,12 @@ class AutoTuner:
                 if self.plain else None
         if not self.plain:
             return best
+        # Leaving plain decoding is gated by the margin alone (it already asks for more than the
+        # hysteresis would); a running tree is kept within the hysteresis while it stays predicted
+        # faster than plain decoding.
         return choose(self.cost, self.acceptance, bucket, [best.setting], current if current in (PLAIN, best.setting)
-                      else None, self.hysteresis, stream, self.block_size, plain=True, margin=self.required_margin)
+                      else None, 0.0 if current == PLAIN else self.hysteresis, stream, self.block_size, plain=True,
+                      margin=self.required_margin)
 
     def _doubt(self, s: Setting) -> float:
         return self.doubt / (1.0 + self.acceptance.support(s)) ** 0.5
@@ -274,13 +279,14 @@ class AutoTuner:
         return None
 
     def setting(self, bucket: int = 1, stream: RequestStream | None = None) -> Setting:
-        """The setting to run next at this batch bucket."""
+        """The setting to run next at this batch bucket (``exploring`` says whether it is an exploration
+        round rather than the choice)."""
+        self.exploring = False
         for f in self.families():
             if not self._known(f):
                 seed = self.seed_setting(f, bucket)
                 if seed is not None:
-                    self.explored["seed"] += 1
-                    return seed
+                    return self._explore("seed", seed)
         choice = self._choose(bucket, stream)
         if choice is None:
             return PLAIN if self.plain else self.candidates[0]
@@ -307,21 +313,23 @@ class AutoTuner:
                 self._since[bucket] = 0
                 del self._due[bucket]
             if refresh is not None:
-                self.explored["refresh"] += 1
                 self._refreshed[bucket] = choice.setting
                 self.settled.pop(bucket, None)
                 self._picked.pop(bucket, None)
                 self._memo.pop(bucket, None)
-                return refresh
+                return self._explore("refresh", refresh)
         confirm = self._confirm_setting(choice, bucket)
         if confirm is not None:
-            self.explored["confirm"] += 1
-            return confirm
+            return self._explore("confirm", confirm)
         grow = self.grow_setting(choice, bucket)
         if grow is not None:
-            self.explored["grow"] += 1
-            return grow
+            return self._explore("grow", grow)
         return choice.setting
+
+    def _explore(self, reason: str, s: Setting) -> Setting:
+        self.explored[reason] += 1
+        self.exploring = True
+        return s
 
     def _confirm_setting(self, choice: Choice, bucket: int) -> Setting | None:
         """The tree that a confirming round runs now (see the module's notes), else None."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from treeflash_export.config import TreeConfig
 
-from .acceptance import AcceptanceModel, Observation
+from .acceptance import AcceptanceModel, Observation, RequestStream
 from .auto import AutoTuner
 from .cache import AcceptanceStore, CostCache, CostKey, pair_fingerprint
 from .cost import CostModel, default_grid, measure
@@ -31,6 +31,19 @@ from .setting import FIELDS, Setting, candidate_settings
 MAX_TREE = 64  # the largest tree the tuner builds (the runner reports rounds up to this size)
 PROBE_PROMPT = 64  # committed tokens while the parts are timed
 SAVE_EVERY_S = 30.0  # the acceptance model goes to disk at most this often (and at exit)
+# Eagerly (no graphs) reporting a round's nodes costs a few percent of a small model's round on a CPU
+# (a second tree build, the paths, a read-back): after OBSERVE_ALL observed rounds only every
+# OBSERVE_EVERY-th round of the choice reports them; exploration rounds always do. With CUDA graphs
+# every round reports (a report is a few kernels, and each on/off would be another captured graph).
+OBSERVE_ALL = 64
+OBSERVE_EVERY = 4
+# While one sequence runs plain decoding (eagerly), its 2nd, 4th and 8th plain steps and then every
+# PROBE_EVERY-th also draft and score the best tree without verifying it (TorchRunner._probe_scores: a drafter pass, the
+# expansion and the tree build, about a quarter of a plain step of the demo pair). The tokens
+# committed next label its nodes in hindsight (a node is accepted exactly when its path is what the
+# verifier went on to commit), so the request's own calibration and the averages of its scores follow
+# the request at hand: one on which trees pay is seen as one even after traffic on which they did not.
+PROBE_EVERY = 16
 
 
 def runner_modes(runner) -> tuple[str, ...]:
@@ -63,9 +76,8 @@ def acceptance_key(runner, sources, drafter_temperature: float) -> dict | None:
     """What a learnt acceptance model depends on: the pair's content, B, the draft vocabulary's size
     and the drafter temperature (None when the pair has no folders to name it by, e.g. a pair built in
     memory)."""
-    from treeflash_export.checkpoints import checkpoint_fingerprint
-
     from treeflash_export import __version__
+    from treeflash_export.checkpoints import checkpoint_fingerprint
 
     folders = [s for s in sources if isinstance(s, (str, Path)) and Path(s).is_dir()]
     if len(folders) < 2:
@@ -125,6 +137,16 @@ class TreeTuner:
         self.used: Counter = Counter()  # rounds per Setting
         self.tokens: Counter = Counter()  # tokens gained per Setting
         self._configs: dict[Setting, TreeConfig] = {}
+        self._runner = None  # the runner served (see serve), whose node reports are thinned eagerly
+        # One sequence's own acceptance counts, blended with the deployment's (new_generation; until
+        # release): a request unlike the traffic so far (code after chat) corrects the calibration
+        # within its first rounds instead of after hundreds. Request slots share a bucket's choice, so
+        # the engine decides on the deployment's calibration alone.
+        self.stream: RequestStream | None = None
+        self._rounds = 0  # rounds asked for since serve
+        self._plain_rounds = 0  # plain decoding rounds chosen since serve
+        self._probe: Setting | None = None  # the tree the runner scores after this plain step
+        self._waiting: list = []  # score probes waiting for the tokens that label them: [setting, raw, tokens]
 
     @classmethod
     def for_runner(cls, runner, fixed: dict, *, sources, dtype: str, retune: bool = False, log=None,
@@ -193,9 +215,13 @@ class TreeTuner:
             self.save()
 
     def new_generation(self) -> None:
-        """The report counts one generation from here (what was learnt stays)."""
+        """The report counts one generation from here (what was learnt stays), and the generation's
+        rounds calibrate its own stream too."""
         self.used.clear()
         self.tokens.clear()
+        self.stream = RequestStream()
+        self._waiting = []
+        self.auto.acceptance.restart_averages()
 
     def serve(self, runner) -> None:
         """Before a generation or an engine admits anything: the cost model is measured now (the probe
@@ -203,20 +229,45 @@ class TreeTuner:
         nodes and plain decoding rounds keep the drafter's context, until `release`."""
         self.auto.cost.buckets  # noqa: B018 (measures or reads the cache now)
         runner.observing = runner.keep_context = True
+        self._runner = runner
+        self._rounds = self._plain_rounds = 0
 
     def release(self, runner) -> None:
         """The runner's extra work for the tuner off again."""
         runner.observing = runner.keep_context = False
+        runner.probe_tree = None
+        self._runner = None
+        self.stream = None
+        self._probe = None
+        self._waiting = []
 
     def next_tree(self, bucket: int = 1) -> TreeConfig:
         if self._note and self.log:  # said at first use, with the cost model's lines
             self.log(self._note)
         self._note = None
-        s = self.auto.setting(bucket)
+        s = self.auto.setting(bucket, self.stream)
         self.current = s
+        self._probe = None
+        if self._runner is not None and not self.captures:
+            self._rounds += 1
+            self._runner.observing = (self.auto.exploring or self.auto.acceptance.rounds < OBSERVE_ALL
+                                      or self._rounds % OBSERVE_EVERY == 0)
+            if s.mode == "ar" and not self.auto.exploring and self.stream is not None:
+                self._plain_rounds += 1
+                choice = self.auto.choices.get(bucket)
+                best = choice.runner_up if choice is not None else None
+                due = self._plain_rounds in (2, 4, 8) or self._plain_rounds % PROBE_EVERY == 0  # dense at first
+                if due and best is not None and best.mode in ("treeflash", "marginal"):
+                    self._probe = best
+                    self._runner.observing = True
+            self._runner.probe_tree = None if self._probe is None else self._config(self._probe)
         self.used[s] += 1
+        return self._config(s)
+
+    def _config(self, s: Setting) -> TreeConfig:
+        """One TreeConfig per setting: the runner then sees the same object again."""
         tree = self._configs.get(s)
-        if tree is None:  # one TreeConfig per setting: the runner then sees the same object again
+        if tree is None:
             tree = self._configs[s] = TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k,
                                                  drafter_temperature=self.drafter_temperature)
         return tree
@@ -229,17 +280,36 @@ class TreeTuner:
             self.auto.observe_time(self.current, bucket, 1000.0 * seconds)
         self._timed.add(key)
 
-    def after_round(self, runner, slot: int = 0, gained: int | None = None) -> None:
+    def after_round(self, runner, slot: int = 0, gained: int | None = None, tokens: list[int] | None = None) -> None:
         """Feeds the round that just ran (the runner's report of its nodes) to the acceptance model;
-        gained: the tokens it gave (for the report of realised tokens per setting)."""
+        gained: the tokens it gave (for the report of realised tokens per setting); tokens: those tokens
+        (they label earlier score probes in hindsight)."""
         s = self.current
         if s is not None and gained is not None:
             self.tokens[s] += gained
-        raw = None if s is None or s.mode == "ar" else runner.observation(slot, self._tree(s))
-        self.auto.observe(None if raw is None else observation(s, raw))
+        if tokens is not None and self._waiting:  # earlier score probes: these tokens may label them now
+            self._label_probes(tokens)
+        if s is not None and s.mode == "ar" and self._probe is not None:  # a plain step with a score probe
+            probe = runner.probe_observation(slot)
+            if probe is not None and tokens is not None:
+                self._waiting.append([self._probe, probe, []])
+        raw = None if s is None or s.mode == "ar" else runner.observation(slot, self._config(s))
+        self.auto.observe(None if raw is None else observation(s, raw), self.stream)
 
-    def _tree(self, s: Setting) -> TreeConfig:
-        return TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k)
+    def _label_probes(self, tokens: list[int]) -> None:
+        """The tokens a round committed extend every waiting probe's continuation; a probe whose every
+        node can now be told accepted or not feeds the acceptance model."""
+        still = []
+        for entry in self._waiting:
+            s, raw, got = entry
+            got.extend(tokens)
+            labels = hindsight_labels(raw["tokens"], raw["parents"], got)
+            if labels is None:
+                still.append(entry)
+                continue
+            self.auto.acceptance.observe(observation(s, {**raw, "accepted": labels, "verified": len(labels)}),
+                                         self.stream)
+        self._waiting = still
 
     def report(self) -> dict:
         rep = self.auto.report()
@@ -249,6 +319,23 @@ class TreeTuner:
         rep["cost_ms"] = {str(b): c.to_json() for b, c in self.auto.cost.buckets.items()}
         rep["resumed_acceptance"] = self.resumed
         return rep
+
+
+def hindsight_labels(tokens: list, parents: list, committed: list[int]) -> list[float] | None:
+    """Whether each node of a tree drafted but not verified (tree order, root excluded; parents: 0 =
+    the root, i = node i) lies on the path the verifier committed next, or None while ``committed`` is
+    too short to tell for some node. A node at depth d is accepted exactly when its path equals the
+    first d committed tokens: greedy decoding and keyed sampling pick, at a context, the token they
+    would pick for any tree holding it."""
+    depth, ok = [0], [True]  # index 0: the root
+    for token, parent in zip(tokens, parents):
+        p = int(parent)
+        d = depth[p] + 1
+        if ok[p] and d > len(committed):
+            return None
+        depth.append(d)
+        ok.append(ok[p] and int(token) == committed[d - 1])
+    return [float(a) for a in ok[1:]]
 
 
 def observation(s: Setting, raw: dict) -> Observation:
