@@ -727,7 +727,8 @@ class TorchRunner(Runner):
         elif part == "draft-for-probe":
             memo["z"] = self.draft(b, bound)
         elif part == "tree-tables":
-            memo["tables"] = tables_for(TreeConfig(top_m=4, top_k=16))
+            limit = self.draft_vocab_size
+            memo["tables"] = tables_for(TreeConfig(top_m=min(4, limit), top_k=min(16, limit)))
         elif part == "verify":
             n = int(params["nodes"])
             ids = torch.arange(n, device=self.device)
@@ -736,8 +737,9 @@ class TorchRunner(Runner):
                                          key_bound=bound)
         elif part == "expand":
             chain = params.get("mode") == "chain"
+            limit = self.draft_vocab_size  # a draft vocabulary smaller than the grid's M or K: its largest
             tables_for(TreeConfig(mode="chain").resolved(self.block_size) if chain else
-                       TreeConfig(top_m=int(params["top_m"]), top_k=int(params["top_k"])))
+                       TreeConfig(top_m=min(int(params["top_m"]), limit), top_k=min(int(params["top_k"]), limit)))
         elif part == "tree":
             if "tables" not in memo:
                 memo["tables"] = tables_for(TreeConfig(top_m=4, top_k=16))

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from treeflash_export.config import TreeConfig
+from treeflash_export.errors import ConfigError
 
 from .acceptance import AcceptanceModel, Observation, RequestStream
 from .auto import AutoTuner
@@ -157,8 +158,14 @@ class TreeTuner:
         acceptance model starts from what earlier generations with this pair learnt (``store``; False:
         start afresh and keep nothing) and is saved as it learns (TreeTuner.save)."""
         fixed = {k: v for k, v in fixed.items() if k in FIELDS and v is not None}
+        limit = _draft_vocab(runner)  # no more parents or children than the drafter can rank
+        for field in ("top_m", "top_k"):
+            if fixed.get(field, 0) > limit:
+                flag = "--" + field.replace("_", "-")
+                raise ConfigError(f"{flag} {fixed[field]} is out of range: use 1..{limit} (vocabulary {limit})")
         modes = runner_modes(runner)
         candidates = candidate_settings(modes, runner.block_size, largest_tree(runner), fixed=fixed)
+        candidates = [s for s in candidates if s.top_m <= limit and s.top_k <= limit]
         candidates = [s if s.mode != "chain" else Setting("chain", runner.block_size, 1, 1) for s in candidates]
         key = cost_key(runner, sources, dtype)
         buckets = list(getattr(runner, "buckets", [1]))  # request slots: every batch bucket the runner rounds

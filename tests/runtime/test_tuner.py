@@ -619,3 +619,46 @@ def test_a_tree_held_back_only_by_its_doubt_runs_every_fourth_round():
         picked = [tuner.setting(1) for _ in range(12)]
         assert picked == want * 3, (tokens, support, picked)
         assert tuner.explored["confirm"] == (3 if want[-1] == tree and want[0] == PLAIN else 0)
+
+
+def test_hindsight_labels_follow_the_committed_path():
+    """A drafted tree (tree order, parents 0 = the root): nodes on the path the verifier committed next
+    are accepted, the rest not; None while some node on that path is deeper than what is committed."""
+    from treeflash_runtime.tuner.online import hindsight_labels
+
+    # root -> a(1) -> c(3) -> e(5); root -> b(2) -> d(4); tokens: a=7, b=8, c=9, d=9, e=4
+    tokens, parents = [7, 8, 9, 9, 4], [0, 0, 1, 2, 3]
+    assert hindsight_labels(tokens, parents, [7, 9, 4, 1]) == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert hindsight_labels(tokens, parents, [7, 9]) is None  # e (depth 3) lies on the path so far
+    assert hindsight_labels(tokens, parents, [7, 2]) == [1.0, 0.0, 0.0, 0.0, 0.0]  # c is off the path: e too
+    assert hindsight_labels(tokens, parents, [5]) == [0.0] * 5
+
+
+def test_a_new_request_replaces_the_old_traffics_averages_quickly():
+    """After restart_averages the next rounds weigh 1/2, 1/3, ... against the past (then the moving
+    average): four rounds of a confident request move the expected tokens most of the way to it."""
+    rng = np.random.default_rng(11)
+    model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    shy = lambda: Observation("treeflash", np.full(31, -6.0), np.zeros(0, bool), 1, 8,  # noqa: E731
+                              m_rank=np.zeros(31, int), k_rank=np.zeros(31, int))
+    sure = lambda: Observation("treeflash", np.sort(-rng.uniform(0, 0.3, 31)), np.zeros(0, bool), 1, 8,  # noqa: E731
+                               m_rank=np.zeros(31, int), k_rank=np.zeros(31, int))
+    for _ in range(100):
+        model.observe(shy())
+    s = Setting("treeflash", 16, 1, 8)
+    low = model.expected(s)
+    slow = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    for _ in range(100):
+        slow.observe(shy())
+    model.restart_averages()
+    for _ in range(4):
+        o = sure()
+        model.observe(o)
+        slow.observe(o)
+    only_sure = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    for _ in range(20):
+        only_sure.observe(sure())
+    high = only_sure.expected(s)
+    assert high > low + 1.0
+    assert model.expected(s) - low >= 0.75 * (high - low)  # the past weighs 1/5 after four rounds
+    assert slow.expected(s) - low <= 0.3 * (high - low)  # the moving average alone: about 1 - 0.95^4

@@ -258,3 +258,30 @@ def test_a_round_reports_a_tree_twice_its_size_and_labels_only_what_it_verified(
     assert big.accepted.tolist() == small.accepted.tolist() and int(small.accepted.sum()) == len(gained) - 1
     assert torch_backend.observed_size(TreeConfig(mode="chain", tree_size=8)) == 8
     assert torch_backend.observed_size(TreeConfig(tree_size=48)) == 64
+
+
+def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pair_dirs, tmp_path):
+    """Trees that could pay but are predicted slower (a random drafter): plain decoding runs, and after
+    some plain steps the best tree is drafted and scored without being verified; the tokens committed
+    next label it. The output is the verifier's all the same, and the probe is off after the generation."""
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[2])["input_ids"]
+    want = hf_greedy(pair.verifier, ids, 40)
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    model = costs(ar=10.0, tree_part=6.0)
+    model.buckets[1].expand["chain"] = 1000.0  # the chain cannot pay: the best tree is one to probe
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, model)
+    labelled = []
+    real = tuner._label_probes
+
+    def spy(tokens):
+        waiting = len(tuner._waiting)
+        real(tokens)
+        labelled.append(waiting - len(tuner._waiting))
+
+    tuner._label_probes = spy
+    res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=40), tuner=tuner)
+    assert res.token_ids == want
+    assert res.stats.tuning["settings_used"].get("ar", 0) >= 30
+    assert sum(labelled) >= 3  # the probes after plain steps 2, 4, 8 and 16 at least, once labelled
+    assert runner.probe_tree is None and not tuner._waiting
