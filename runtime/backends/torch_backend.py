@@ -498,17 +498,14 @@ class TorchRunner(Runner):
         with self._stage("draft"):
             z = self.draft(b, bound)
         with self._stage("expand"):
-            tables = Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, tree)), root[:, None], z))
+            tables = self._batched_tables(b, root, z, tree)
         seen = None  # the tree whose nodes the round reports (a larger one than it verifies, see observed_size)
         with self._stage("tree"):
             trees = _fields(self.build_tree(tables, root, tree.tree_size))
             n_seen = observed_size(tree)
             if self.observing and n_seen <= OBS_NODES:
                 seen = trees if n_seen == tree.tree_size else _fields(self.build_tree(tables, root, n_seen))
-                score, m_rank, k_rank = node_paths(tables, Tree(*seen))
-                st.obs_score[:b, :n_seen] = score
-                st.obs_rank[:b, 0, :n_seen] = m_rank
-                st.obs_rank[:b, 1, :n_seen] = k_rank
+                self._report_nodes(b, tables, Tree(*seen))
         tokens, _, depths, mask, _ = trees
         with self._stage("verify"):
             logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, mask, kv, P, key_bound=bound)
@@ -521,14 +518,21 @@ class TorchRunner(Runner):
         verified, reported like a round's nodes without labels (the self-tuning tree's score probe: how
         confident the drafter is on this request, while plain decoding runs). The drafter's pending
         context enters its cache on the way, as the next tree round would do it."""
-        st = self.state
-        root = st.root[:b]
-        z = self.draft(b, bound)
-        tables = Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, tree)), root[:, None], z))
-        n = observed_size(tree)
-        seen = Tree(*_fields(self.build_tree(tables, root, n)))
-        score, m_rank, k_rank = node_paths(tables, seen)
+        root = self.state.root[:b]
+        tables = self._batched_tables(b, root, self.draft(b, bound), tree)
+        seen = Tree(*_fields(self.build_tree(tables, root, observed_size(tree))))
+        self._report_nodes(b, tables, seen)
         self._probe_nodes = (seen.tokens, seen.parents)  # for labels in hindsight (probe_observation)
+
+    def _batched_tables(self, b: int, root: torch.Tensor, z: torch.Tensor, tree: TreeConfig) -> Tables:
+        """The expansion for slots 0..b-1 (root [b], z [b, B, H]): the one-slot tables mapped over them."""
+        return Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, tree)), root[:, None], z))
+
+    def _report_nodes(self, b: int, tables: Tables, seen: Tree) -> None:
+        """Each node's path score and ranks of ``seen`` (built from ``tables``) into the state's reports
+        for the self-tuning tree (see observation)."""
+        st, n = self.state, seen.tokens.shape[1]
+        score, m_rank, k_rank = node_paths(tables, seen)
         st.obs_score[:b, :n] = score
         st.obs_rank[:b, 0, :n] = m_rank
         st.obs_rank[:b, 1, :n] = k_rank
@@ -714,7 +718,10 @@ class TorchRunner(Runner):
         def tables_for(cfg):  # the expansion, from one drafter pass per probing session
             if "z" not in memo:
                 memo["z"] = self.draft(b, bound)
-            return Tables(*_map(b, lambda r, zz: _fields(self.tables(r, zz, cfg)), root[:, None], memo["z"]))
+            return self._batched_tables(b, root, memo["z"], cfg)
+
+        def grid(top_m, top_k):  # a grid point, within a draft vocabulary smaller than the grid's M or K
+            return TreeConfig(top_m=min(top_m, self.draft_vocab_size), top_k=min(top_k, self.draft_vocab_size))
 
         if part == "ar":
             self._round(b, TreeConfig(mode="ar"), GREEDY, bound)
@@ -727,8 +734,7 @@ class TorchRunner(Runner):
         elif part == "draft-for-probe":
             memo["z"] = self.draft(b, bound)
         elif part == "tree-tables":
-            limit = self.draft_vocab_size
-            memo["tables"] = tables_for(TreeConfig(top_m=min(4, limit), top_k=min(16, limit)))
+            memo["tables"] = tables_for(grid(4, 16))
         elif part == "verify":
             n = int(params["nodes"])
             ids = torch.arange(n, device=self.device)
@@ -737,12 +743,11 @@ class TorchRunner(Runner):
                                          key_bound=bound)
         elif part == "expand":
             chain = params.get("mode") == "chain"
-            limit = self.draft_vocab_size  # a draft vocabulary smaller than the grid's M or K: its largest
             tables_for(TreeConfig(mode="chain").resolved(self.block_size) if chain else
-                       TreeConfig(top_m=min(int(params["top_m"]), limit), top_k=min(int(params["top_k"]), limit)))
+                       grid(int(params["top_m"]), int(params["top_k"])))
         elif part == "tree":
             if "tables" not in memo:
-                memo["tables"] = tables_for(TreeConfig(top_m=4, top_k=16))
+                memo["tables"] = tables_for(grid(4, 16))
             self.build_tree(memo["tables"], root, int(params["tree_size"]))
         else:
             raise ValueError(f"unknown part {part!r}")
