@@ -181,6 +181,12 @@ class AcceptanceModel:
         self.full_ref = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
         self.partial = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
         self.partial_w = {f: np.zeros(shape(f)) for f in self.combos}
+        # How many rounds informed each point (seen whole, or at all), forgotten as slowly as the
+        # calibration: the support of its prediction (the averages' weights cannot say it, a new
+        # request's first round weighs half of them).
+        self.count_decay = decay
+        self.full_n = {f: np.zeros(shape(f)) for f in self.combos}
+        self.partial_n = {f: np.zeros(shape(f)) for f in self.combos}
         self.rounds = 0
         self._coef_memo: dict = {}
         self._combo_at = {f: {mk: i for i, mk in enumerate(c)} for f, c in self.combos.items()}
@@ -260,10 +266,12 @@ class AcceptanceModel:
             ref[full] = (1 - a) * ref[full] + a * stats[0, 0]
         else:  # rare (a round too small for the reference): its points keep their reference in step
             full = np.zeros_like(full)
-        for upd, vals, wts in ((part, self.partial[fam], self.partial_w[fam]),
-                               (full, self.full[fam], self.full_w[fam])):
+        for upd, vals, wts, cnt in ((part, self.partial[fam], self.partial_w[fam], self.partial_n[fam]),
+                                    (full, self.full[fam], self.full_w[fam], self.full_n[fam])):
             vals[upd] = (1 - a) * vals[upd] + a * stats[upd]
             wts[upd] = (1 - a) * wts[upd] + a
+            cnt *= self.count_decay
+            cnt[upd] += 1.0
 
     # ---- predicting ------------------------------------------------------------------------
     def _coef(self, fam: str, stream: RequestStream | None) -> np.ndarray:
@@ -331,7 +339,8 @@ class AcceptanceModel:
                           "acc": {str(d): v for d, v in self.chain.acc.items()},
                           "step_p": {str(d): list(v) for d, v in self.chain.step_p.items()}},
                 "curves": {f: {"full": arr(self.full[f]), "full_w": arr(self.full_w[f]), "full_ref": arr(self.full_ref[f]),
-                               "partial": arr(self.partial[f]), "partial_w": arr(self.partial_w[f])}
+                               "partial": arr(self.partial[f]), "partial_w": arr(self.partial_w[f]),
+                               "full_n": arr(self.full_n[f]), "partial_n": arr(self.partial_n[f])}
                            for f in self.combos}}
 
     def load_json(self, d: dict, max_seen: float = 256.0) -> None:
@@ -346,8 +355,13 @@ class AcceptanceModel:
         for f in self.combos:
             c = d["curves"][f]
             shaped[f] = {k: np.asarray(c[k], dtype=float) for k in ("full", "full_w", "full_ref", "partial", "partial_w")}
+            for k in ("full", "partial"):  # a state saved before the counts: the rounds its weights imply
+                n = c.get(f"{k}_n")
+                shaped[f][f"{k}_n"] = (np.asarray(n, dtype=float) if n is not None
+                                       else self._rounds_of(shaped[f][f"{k}_w"]))
             if (shaped[f]["full"].shape != self.full[f].shape or shaped[f]["full_w"].shape != self.full_w[f].shape
-                    or shaped[f]["full_ref"].shape != self.full[f].shape):
+                    or shaped[f]["full_ref"].shape != self.full[f].shape
+                    or any(shaped[f][k].shape != self.full_w[f].shape for k in ("full_n", "partial_n"))):
                 raise ValueError(f"curves of family {f} have another shape")
         cals = {}
         for f in self.calibrators:
@@ -364,13 +378,14 @@ class AcceptanceModel:
         for f, c in shaped.items():
             self.full[f], self.full_w[f], self.full_ref[f], self.partial[f], self.partial_w[f] = (
                 c["full"], c["full_w"], c["full_ref"], c["partial"], c["partial_w"])
+            self.full_n[f], self.partial_n[f] = c["full_n"], c["partial_n"]
         self.chain.reached, self.chain.acc, self.chain.step_p = chain
         self.rounds = int(d.get("rounds", 0))
         self._coef_memo.clear()
 
     def support(self, s: Setting) -> float:
-        """About how many recent rounds inform the prediction of s (from the averages' weights: a
-        weight w after n rounds is 1 - (1 - ema)^n); the chain: the rounds that reached depth 1."""
+        """How many rounds inform the prediction of s (slowly forgotten: see count_decay): those that
+        saw its tree whole, else those that saw part of it; the chain: the rounds that reached depth 1."""
         if s.mode == "ar":
             return float("inf")
         if s.mode == "chain":
@@ -380,8 +395,11 @@ class AcceptanceModel:
         i = self._size_at.get(s.tree_size)
         if c is None or i is None:
             return 0.0
-        w = self.full_w[fam][c, i] if self.full_w[fam][c, i] > 0 else self.partial_w[fam][c, i]
-        return float(np.log1p(-min(w, 1 - 1e-12)) / np.log1p(-self.ema))
+        return float(self.full_n[fam][c, i] if self.full_w[fam][c, i] > 0 else self.partial_n[fam][c, i])
+
+    def _rounds_of(self, w: np.ndarray) -> np.ndarray:
+        """The rounds a moving average's weights imply (a weight w after n rounds is 1 - (1 - ema)^n)."""
+        return np.log1p(-np.minimum(w, 1 - 1e-12)) / np.log1p(-self.ema)
 
     def observed(self, s: Setting) -> bool:
         """Whether some round held the whole of setting s's tree (its prediction is not a lower bound)."""

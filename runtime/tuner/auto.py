@@ -10,6 +10,11 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
   per doubling of N (and a quarter of that per doubling of M), at the largest K (K barely changes
   a round's cost and the round then informs every smaller K). On a GPU at batch 1, where a large
   tree costs little more than a plain step, that is a large tree; on a small CPU a small one.
+  A tree family then runs its best-predicted setting again, families in turn, until that
+  prediction rests on `seed_rounds` rounds (3; at most that many seed rounds per family): one
+  unlucky round (a drafter that misses the first tokens of an answer) would otherwise rule a
+  family out for a whole generation, since refreshes come only every `explore_every` rounds. A
+  deployment that resumes a learnt acceptance model has that support already and seeds nothing.
 - growing: after each choice, the neighbours one step up (2N, 2M, 2K) that no round has fully
   observed get an optimistic estimate, the chosen point's tokens plus the larger of the last
   step's measured gain and the prior's gain (the expected tokens are concave in each field); a
@@ -104,11 +109,13 @@ class AutoTuner:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, candidates: list[Setting], block_size: int,
                  hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
                  max_explore_every: int = 512, margin: float = 0.05, doubt: float = 0.2,
-                 explore_share: float = 0.05, confirm_every: int = 4):
+                 explore_share: float = 0.05, confirm_every: int = 4, seed_rounds: int = 3):
         self.cost, self.acceptance, self.block_size = Realised(cost), acceptance, block_size
         self.candidates = list(candidates)
         self.hysteresis, self.plain, self.margin, self.doubt = hysteresis, plain, margin, doubt
-        self.explore_share, self.confirm_every = explore_share, confirm_every
+        self.explore_share, self.confirm_every, self.seed_rounds = explore_share, confirm_every, seed_rounds
+        self._seeds: Counter = Counter()  # family -> seed rounds run
+        self._seeded: set[str] = set()  # the families seeded enough
         self._plain_since: Counter = Counter()  # bucket -> plain rounds since the last confirming one
         self.explore_every, self.max_explore_every, self.settle_after = explore_every, max_explore_every, settle_after
         self.current: dict[int, Setting] = {}
@@ -282,11 +289,9 @@ class AutoTuner:
         """The setting to run next at this batch bucket (``exploring`` says whether it is an exploration
         round rather than the choice)."""
         self.exploring = False
-        for f in self.families():
-            if not self._known(f):
-                seed = self.seed_setting(f, bucket)
-                if seed is not None:
-                    return self._explore("seed", seed)
+        seed = self._seed_round(bucket)
+        if seed is not None:
+            return self._explore("seed", seed)
         choice = self._choose(bucket, stream)
         if choice is None:
             return PLAIN if self.plain else self.candidates[0]
@@ -325,6 +330,32 @@ class AutoTuner:
         if grow is not None:
             return self._explore("grow", grow)
         return choice.setting
+
+    def _seed_round(self, bucket: int) -> Setting | None:
+        """The seed round due now (see the module's notes): of the families that need one, the one
+        seeded least so far (in FAMILIES order on a tie), else None."""
+        due = []
+        for f in self.families():
+            if f in self._seeded:
+                continue
+            if not self._known(f):
+                s = self.seed_setting(f, bucket)
+            elif f == "chain" or self._seeds[f] >= self.seed_rounds:
+                s = None
+            else:
+                s = self._best_tree(bucket, [c for c in self.candidates if c.mode == f])
+                if s is not None and self.acceptance.support(s) >= self.seed_rounds:
+                    s = None
+            if s is None:
+                if self._known(f):
+                    self._seeded.add(f)
+                continue
+            due.append((self._seeds[f], s))
+        if not due:
+            return None
+        s = min(due, key=lambda x: x[0])[1]
+        self._seeds[s.mode] += 1
+        return s
 
     def _explore(self, reason: str, s: Setting) -> Setting:
         self.explored[reason] += 1
