@@ -331,6 +331,10 @@ class AutoTuner:
             return self._explore("grow", grow)
         return choice.setting
 
+    def _trusted(self, s: Setting) -> bool:
+        """Whether about `seed_rounds` rounds support the prediction of s (the counts fade slowly)."""
+        return self.acceptance.support(s) > self.seed_rounds - 0.5
+
     def _seed_round(self, bucket: int) -> Setting | None:
         """The seed round due now (see the module's notes): of the families that need one, the one
         seeded least so far (in FAMILIES order on a tie), else None."""
@@ -344,7 +348,7 @@ class AutoTuner:
                 s = None
             else:
                 s = self._best_tree(bucket, [c for c in self.candidates if c.mode == f])
-                if s is not None and self.acceptance.support(s) >= self.seed_rounds:
+                if s is not None and self._trusted(s):
                     s = None
             if s is None:
                 if self._known(f):
