@@ -38,13 +38,17 @@ SAVE_EVERY_S = 30.0  # the acceptance model goes to disk at most this often (and
 # every round reports (a report is a few kernels, and each on/off would be another captured graph).
 OBSERVE_ALL = 64
 OBSERVE_EVERY = 4
-# While one sequence runs plain decoding (eagerly), its 2nd, 4th and 8th plain steps and then every
-# PROBE_EVERY-th also draft and score the best tree without verifying it (TorchRunner._probe_scores: a drafter pass, the
-# expansion and the tree build, about a quarter of a plain step of the demo pair). The tokens
-# committed next label its nodes in hindsight (a node is accepted exactly when its path is what the
-# verifier went on to commit), so the request's own calibration and the averages of its scores follow
-# the request at hand: one on which trees pay is seen as one even after traffic on which they did not.
+# While one sequence runs plain decoding (eagerly), its 2nd, 4th, 8th and 16th plain steps also draft
+# and score the best tree without verifying it (TorchRunner._probe_scores: a drafter pass, the
+# expansion and the tree build, about a quarter of a plain step of the demo pair), then every
+# PROBE_EVERY-th while that tree is predicted at least as fast as plain decoding, the gap doubling up
+# to MAX_PROBE_GAP while it is predicted slower (a request on which trees do not pay stops paying
+# for probes). The tokens committed next label its nodes in hindsight (a node is accepted exactly
+# when its path is what the verifier went on to commit), so the request's own calibration and the
+# averages of its scores follow the request at hand: one on which trees pay is seen as one even
+# after traffic on which they did not.
 PROBE_EVERY = 16
+MAX_PROBE_GAP = 128
 
 
 def runner_modes(runner) -> tuple[str, ...]:
@@ -146,6 +150,7 @@ class TreeTuner:
         self.stream: RequestStream | None = None
         self._rounds = 0  # rounds asked for since serve
         self._plain_rounds = 0  # plain decoding rounds chosen since serve
+        self._next_probe, self._probe_gap = 2, 2  # the plain round of the next score probe, the gap after it
         self._probe: Setting | None = None  # the tree the runner scores after this plain step
         self._waiting: list = []  # score probes waiting for the tokens that label them: [setting, raw, tokens]
 
@@ -238,6 +243,7 @@ class TreeTuner:
         runner.observing = runner.keep_context = True
         self._runner = runner
         self._rounds = self._plain_rounds = 0
+        self._next_probe, self._probe_gap = 2, 2
 
     def release(self, runner) -> None:
         """The runner's extra work for the tuner off again."""
@@ -263,10 +269,13 @@ class TreeTuner:
                 self._plain_rounds += 1
                 choice = self.auto.choices.get(bucket)
                 best = choice.runner_up if choice is not None else None
-                due = self._plain_rounds in (2, 4, 8) or self._plain_rounds % PROBE_EVERY == 0  # dense at first
-                if due and best is not None and best.mode in ("treeflash", "marginal"):
+                if (self._plain_rounds >= self._next_probe and best is not None
+                        and best.mode in ("treeflash", "marginal")):
                     self._probe = best
                     self._runner.observing = True
+                    hopeful = (choice.runner_up_tokens_per_s or 0.0) >= (choice.plain_tokens_per_s or float("inf"))
+                    self._next_probe = self._plain_rounds + self._probe_gap
+                    self._probe_gap = min(2 * self._probe_gap, PROBE_EVERY if hopeful else MAX_PROBE_GAP)
             self._runner.probe_tree = None if self._probe is None else self._config(self._probe)
         self.used[s] += 1
         return self._config(s)

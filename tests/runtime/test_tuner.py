@@ -713,3 +713,31 @@ def test_one_unlucky_seed_round_does_not_rule_a_family_out():
 
     assert sum(last(3, seed) == "treeflash" for seed in range(20, 40)) >= 18
     assert sum(last(1, seed) == "treeflash" for seed in range(20, 40)) <= 12
+
+
+def test_score_probes_thin_out_while_the_best_tree_is_predicted_slower():
+    """A plain-decoding generation probes the best tree after plain steps 2, 4, 8 and 16, then every 16th
+    while that tree is predicted at least as fast as plain decoding, and ever more rarely (gaps 32,
+    64, 128) while it is predicted slower."""
+    from types import SimpleNamespace
+
+    from treeflash_runtime.tuner.online import TreeTuner
+
+    cost = CostModel({1: BucketCosts(ar=10, draft=0, verify={4: 20}, expand={(1, 16): 0}, tree={4: 0}, other=0)})
+    tree = Setting("treeflash", 4, 1, 16)
+    for tokens, want in ((2.02, [2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]), (1.6, [2, 4, 8, 16, 32, 64, 128])):
+        auto = AutoTuner(cost, AcceptanceModel(), [tree], B, explore_every=0, seed_rounds=0, confirm_every=0)
+        auto.acceptance = FixedAcceptance(lambda s, t=tokens: t)
+        auto.acceptance.rounds, auto.acceptance.support = 0, (lambda s: 100.0)
+        auto.acceptance.restart_averages = lambda: None
+        tuner = TreeTuner(auto)
+        runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None)
+        tuner.serve(runner)
+        tuner.new_generation()
+        probes = []
+        for step in range(1, 130):
+            assert tuner.next_tree(1).mode == "ar"
+            if runner.probe_tree is not None:
+                assert runner.probe_tree.mode == "treeflash" and runner.observing
+                probes.append(step)
+        assert probes == want, (tokens, probes)
