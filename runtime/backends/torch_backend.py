@@ -500,12 +500,16 @@ class TorchRunner(Runner):
         with self._stage("expand"):
             tables = self._batched_tables(b, root, z, tree)
         seen = None  # the tree whose nodes the round reports (a larger one than it verifies, see observed_size)
+        probe = self.probe_tree if self.observing and self.keep_context else None  # another family's tree
         with self._stage("tree"):
             trees = _fields(self.build_tree(tables, root, tree.tree_size))
             n_seen = observed_size(tree)
-            if self.observing and n_seen <= OBS_NODES:
+            if self.observing and probe is None and n_seen <= OBS_NODES:
                 seen = trees if n_seen == tree.tree_size else _fields(self.build_tree(tables, root, n_seen))
                 self._report_nodes(b, tables, Tree(*seen))
+        if probe is not None:  # from this round's root and drafter pass, before the commit moves them
+            with self._stage("probe"):
+                self._probe_scores(b, probe, bound, z)
         tokens, _, depths, mask, _ = trees
         with self._stage("verify"):
             logits, feats = self.verifier.forward_cached(tokens, P[:, None] + depths, mask, kv, P, key_bound=bound)
@@ -513,13 +517,15 @@ class TorchRunner(Runner):
         with self._stage("accept"):
             self._commit(b, trees, y, feats, seen)
 
-    def _probe_scores(self, b: int, tree: TreeConfig, bound: int) -> None:
-        """After a plain step: the tree ``tree`` would have drafted from here, built and scored but not
+    def _probe_scores(self, b: int, tree: TreeConfig, bound: int, z: torch.Tensor | None = None) -> None:
+        """The tree ``tree`` would have drafted from the current root, built and scored but not
         verified, reported like a round's nodes without labels (the self-tuning tree's score probe: how
-        confident the drafter is on this request, while plain decoding runs). The drafter's pending
-        context enters its cache on the way, as the next tree round would do it."""
+        confident the drafter is on this request, for a tree that is not running). After a plain step
+        the drafter's pending context enters its cache on the way, as the next tree round would do
+        it; in a tree round (of another family) ``z``, the round's own drafter pass, is reused and
+        the round reports the probe's nodes instead of its own."""
         root = self.state.root[:b]
-        tables = self._batched_tables(b, root, self.draft(b, bound), tree)
+        tables = self._batched_tables(b, root, self.draft(b, bound) if z is None else z, tree)
         seen = Tree(*_fields(self.build_tree(tables, root, observed_size(tree))))
         self._report_nodes(b, tables, seen)
         self._probe_nodes = (seen.tokens, seen.parents)  # for labels in hindsight (probe_observation)
@@ -538,9 +544,9 @@ class TorchRunner(Runner):
         st.obs_rank[:b, 1, :n] = k_rank
 
     def probe_observation(self, slot: int) -> dict | None:
-        """The last plain step's score probe of ``slot`` (see _probe_scores), as ``observation`` reports
-        a round: scores and ranks, no node verified, plus each node's token and parent (0: the root) so
-        that the tokens committed next can label it; None when the step ran no probe."""
+        """The last round's score probe of ``slot`` (see _probe_scores), as ``observation`` reports a
+        round: scores and ranks, no node verified, plus each node's token and parent (0: the root) so
+        that the tokens committed from its root on can label it; None when the round ran no probe."""
         tree = self.probe_tree
         if tree is None or not self.observing or observed_size(tree) > OBS_NODES:
             return None

@@ -191,16 +191,22 @@ class AcceptanceModel:
         self._coef_memo: dict = {}
         self._combo_at = {f: {mk: i for i, mk in enumerate(c)} for f, c in self.combos.items()}
         self._size_at = {int(n): i for i, n in enumerate(self.sizes)}
-        self._fresh = 1 << 30  # rounds averaged since restart_averages (none called: the moving average)
+        # Per family, the rounds averaged since restart_averages (none called: the moving average). Per
+        # family, so that a request's first round of the family it has not run yet weighs as much as
+        # the first round of the one it runs.
+        self._fresh = {f: 1 << 30 for f in self.combos}
 
     def restart_averages(self) -> None:
         """The next rounds weigh more in the averages (see _observe_curves): a new request begins."""
-        self._fresh = 0
+        self._fresh = {f: 0 for f in self.combos}
 
     # ---- learning --------------------------------------------------------------------------
-    def observe(self, obs: Observation, stream: RequestStream | None = None) -> None:
+    def observe(self, obs: Observation, stream: RequestStream | None = None, deployment: bool = True) -> None:
         """Feeds one round to the calibration, the averages and the chain estimate. A round whose
-        nodes carry no labels (a score probe: drafted, not verified) feeds the averages only."""
+        nodes carry no labels feeds the averages only. deployment=False (a score probe labelled in
+        hindsight): its labels calibrate the request's stream but not the deployment's calibration,
+        because probes run where their tree is not chosen (plain decoding's requests, the other
+        family's), and counts from there alone would make that family look worse everywhere."""
         scores = np.asarray(obs.scores, dtype=float)
         accepted = np.asarray(obs.accepted, dtype=bool)
         if len(accepted) > len(scores):
@@ -213,7 +219,8 @@ class AcceptanceModel:
                 self._observe_curves(fam, obs, scores)
             return
         labelled = scores[: len(accepted)]
-        self.calibrators[fam].update(labelled, accepted)
+        if deployment:
+            self.calibrators[fam].update(labelled, accepted)
         if stream is not None:
             stream.calibrators[fam].update(labelled, accepted)
             stream.rounds += 1
@@ -259,8 +266,8 @@ class AcceptanceModel:
         part = np.broadcast_to(informed[:, None], full.shape)
         # After restart_averages the rounds weigh as a plain mean with the past as one of them (1/2,
         # 1/3, ...) until that falls to `ema`: a new request's scores replace the old traffic's quickly.
-        self._fresh += 1
-        a = max(self.ema, 1.0 / (self._fresh + 1))
+        self._fresh[fam] += 1
+        a = max(self.ema, 1.0 / (self._fresh[fam] + 1))
         if full[0, 0]:  # the reference point (smallest M, K and N) beside every point this round saw whole
             ref = self.full_ref[fam]
             ref[full] = (1 - a) * ref[full] + a * stats[0, 0]

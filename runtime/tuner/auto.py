@@ -34,6 +34,9 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
   runs every `confirm_every`-th round: each such round is predicted faster than plain decoding, so
   it costs nothing expected, and it supports the prediction, which either holds (and the tree is
   chosen once its doubt is small enough) or falls below the margin (and the confirming stops).
+- a new request (one sequence; `new_request`): refreshes start again at `explore_every`. (The
+  request's own calibration follows the families it does not run through score probes, see
+  online.TreeTuner.)
 - settling: after `settle_after` choices in a bucket, TreeFlash's M and K stay at those chosen
   most, and only N (and the mode) is chosen per round: few settings per bucket (on a GPU each is
   a captured graph). A refresh round lets them move again.
@@ -330,6 +333,20 @@ class AutoTuner:
         if grow is not None:
             return self._explore("grow", grow)
         return choice.setting
+
+    def new_request(self) -> None:
+        """One sequence's new request begins: refreshes start again at `explore_every` (a request unlike
+        the last may change the choice)."""
+        self._gap.clear()
+
+    def best_of(self, bucket: int, cands: list[Setting]) -> Setting | None:
+        """The best-predicted of these settings that could pay, before any margin (None: none)."""
+        return self._best_tree(bucket, cands)
+
+    def predicted_rate(self, s: Setting, bucket: int, stream: RequestStream | None = None) -> float | None:
+        """Expected tokens per second at s (None: no prediction)."""
+        tokens = self.acceptance.expected(s, stream, self.block_size)
+        return None if tokens is None else 1000.0 * self._rate(s, tokens, bucket)
 
     def _trusted(self, s: Setting) -> bool:
         """Whether about `seed_rounds` rounds support the prediction of s (the counts fade slowly)."""

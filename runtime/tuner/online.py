@@ -38,15 +38,18 @@ SAVE_EVERY_S = 30.0  # the acceptance model goes to disk at most this often (and
 # every round reports (a report is a few kernels, and each on/off would be another captured graph).
 OBSERVE_ALL = 64
 OBSERVE_EVERY = 4
-# While one sequence runs plain decoding (eagerly), its 2nd, 4th, 8th and 16th plain steps also draft
-# and score the best tree without verifying it (TorchRunner._probe_scores: a drafter pass, the
-# expansion and the tree build, about a quarter of a plain step of the demo pair), then every
-# PROBE_EVERY-th while that tree is predicted at least as fast as plain decoding, the gap doubling up
-# to MAX_PROBE_GAP while it is predicted slower (a request on which trees do not pay stops paying
-# for probes). The tokens committed next label its nodes in hindsight (a node is accepted exactly
-# when its path is what the verifier went on to commit), so the request's own calibration and the
-# averages of its scores follow the request at hand: one on which trees pay is seen as one even
-# after traffic on which they did not.
+# Score probes (one sequence, eagerly). While plain decoding runs, its 2nd, 4th, 8th and 16th plain
+# steps also draft and score the best tree without verifying it (TorchRunner._probe_scores: a
+# drafter pass, the expansion and the tree build, about a quarter of a plain step of the demo pair);
+# while a tree runs, its 2nd, 4th, 8th and 16th rounds also score the best tree of the other family
+# (TreeFlash beside the marginal tree or the chain, and the reverse) from the round's own drafter
+# pass. Then every PROBE_EVERY-th such round while the probed tree is predicted at least as fast as
+# what runs, the gap doubling up to MAX_PROBE_GAP while it is predicted slower (a request on which
+# it cannot pay stops paying for probes). The tokens committed from the probe's root on label its
+# nodes in hindsight (a node is accepted exactly when its path is what the verifier committed), so
+# the request's own calibration and the averages of its scores cover the trees it does not run: a
+# request on which trees pay, or on which the other family pays, is seen as one even after traffic
+# on which they did not.
 PROBE_EVERY = 16
 MAX_PROBE_GAP = 128
 
@@ -149,8 +152,10 @@ class TreeTuner:
         # the engine decides on the deployment's calibration alone.
         self.stream: RequestStream | None = None
         self._rounds = 0  # rounds asked for since serve
-        self._plain_rounds = 0  # plain decoding rounds chosen since serve
-        self._next_probe, self._probe_gap = 2, 2  # the plain round of the next score probe, the gap after it
+        # Per kind of probe (plain: during plain decoding; family: during a tree round, of the other
+        # family): rounds of that kind since serve, and (the round of the next probe, the gap after it).
+        self._probe_rounds = {"plain": 0, "family": 0}
+        self._probe_next = {"plain": (2, 2), "family": (2, 2)}
         self._probe: Setting | None = None  # the tree the runner scores after this plain step
         self._waiting: list = []  # score probes waiting for the tokens that label them: [setting, raw, tokens]
 
@@ -234,6 +239,7 @@ class TreeTuner:
         self.stream = RequestStream()
         self._waiting = []
         self.auto.acceptance.restart_averages()
+        self.auto.new_request()
 
     def serve(self, runner) -> None:
         """Before a generation or an engine admits anything: the cost model is measured now (the probe
@@ -242,8 +248,9 @@ class TreeTuner:
         self.auto.cost.buckets  # noqa: B018 (measures or reads the cache now)
         runner.observing = runner.keep_context = True
         self._runner = runner
-        self._rounds = self._plain_rounds = 0
-        self._next_probe, self._probe_gap = 2, 2
+        self._rounds = 0
+        self._probe_rounds = {"plain": 0, "family": 0}
+        self._probe_next = {"plain": (2, 2), "family": (2, 2)}
 
     def release(self, runner) -> None:
         """The runner's extra work for the tuner off again."""
@@ -265,20 +272,40 @@ class TreeTuner:
             self._rounds += 1
             self._runner.observing = (self.auto.exploring or self.auto.acceptance.rounds < OBSERVE_ALL
                                       or self._rounds % OBSERVE_EVERY == 0)
-            if s.mode == "ar" and not self.auto.exploring and self.stream is not None:
-                self._plain_rounds += 1
-                choice = self.auto.choices.get(bucket)
-                best = choice.runner_up if choice is not None else None
-                if (self._plain_rounds >= self._next_probe and best is not None
-                        and best.mode in ("treeflash", "marginal")):
-                    self._probe = best
+            if not self.auto.exploring and self.stream is not None:
+                self._probe = self._probe_due(s, bucket)
+                if self._probe is not None:
                     self._runner.observing = True
-                    hopeful = (choice.runner_up_tokens_per_s or 0.0) >= (choice.plain_tokens_per_s or float("inf"))
-                    self._next_probe = self._plain_rounds + self._probe_gap
-                    self._probe_gap = min(2 * self._probe_gap, PROBE_EVERY if hopeful else MAX_PROBE_GAP)
             self._runner.probe_tree = None if self._probe is None else self._config(self._probe)
         self.used[s] += 1
         return self._config(s)
+
+    def _probe_due(self, s: Setting, bucket: int) -> Setting | None:
+        """The tree to score-probe in this round of the choice s, if one is due: while plain decoding
+        runs, the best tree; while a tree runs, the best tree of the other family (TreeFlash for the
+        marginal tree and the chain, and the reverse), whose prediction the request's own rounds
+        otherwise never inform. Each kind keeps its own schedule (see PROBE_EVERY)."""
+        kind = "plain" if s.mode == "ar" else "family"
+        n = self._probe_rounds[kind] = self._probe_rounds[kind] + 1
+        nxt, gap = self._probe_next[kind]
+        if n < nxt:
+            return None
+        choice = self.auto.choices.get(bucket)
+        if choice is None:
+            return None
+        if kind == "plain":
+            best, rate, ref = choice.runner_up, choice.runner_up_tokens_per_s, choice.plain_tokens_per_s
+        else:
+            fam = "treeflash" if s.mode == "treeflash" else "marginal"
+            best = self.auto.best_of(bucket, [c for c in self.auto.candidates if c.mode in ("treeflash", "marginal")
+                                              and (c.mode == "treeflash") != (fam == "treeflash")])
+            rate = None if best is None else self.auto.predicted_rate(best, bucket, self.stream)
+            ref = choice.tokens_per_s
+        if best is None or best.mode not in ("treeflash", "marginal"):
+            return None
+        hopeful = (rate or 0.0) >= (ref or float("inf"))
+        self._probe_next[kind] = (n + gap, min(2 * gap, PROBE_EVERY if hopeful else MAX_PROBE_GAP))
+        return best
 
     def _config(self, s: Setting) -> TreeConfig:
         """One TreeConfig per setting: the runner then sees the same object again."""
@@ -303,14 +330,21 @@ class TreeTuner:
         s = self.current
         if s is not None and gained is not None:
             self.tokens[s] += gained
+        family_probe = s is not None and s.mode != "ar" and self._probe is not None
+        if family_probe:  # drafted from this round's root: its own tokens are the first labels
+            self._wait_for_labels(runner, slot, tokens)
         if tokens is not None and self._waiting:  # earlier score probes: these tokens may label them now
             self._label_probes(tokens)
         if s is not None and s.mode == "ar" and self._probe is not None:  # a plain step with a score probe
-            probe = runner.probe_observation(slot)
-            if probe is not None and tokens is not None:
-                self._waiting.append([self._probe, probe, []])
-        raw = None if s is None or s.mode == "ar" else runner.observation(slot, self._config(s))
+            self._wait_for_labels(runner, slot, tokens)
+        # A round with a family probe reported the probe's nodes instead of its own.
+        raw = None if s is None or s.mode == "ar" or family_probe else runner.observation(slot, self._config(s))
         self.auto.observe(None if raw is None else observation(s, raw), self.stream)
+
+    def _wait_for_labels(self, runner, slot: int, tokens: list[int] | None) -> None:
+        probe = runner.probe_observation(slot)
+        if probe is not None and tokens is not None:
+            self._waiting.append([self._probe, probe, []])
 
     def _label_probes(self, tokens: list[int]) -> None:
         """The tokens a round committed extend every waiting probe's continuation; a probe whose every
@@ -324,7 +358,7 @@ class TreeTuner:
                 still.append(entry)
                 continue
             self.auto.acceptance.observe(observation(s, {**raw, "accepted": labels, "verified": len(labels)}),
-                                         self.stream)
+                                         self.stream, deployment=False)
         self._waiting = still
 
     def report(self) -> dict:

@@ -285,3 +285,34 @@ def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pa
     assert res.stats.tuning["settings_used"].get("ar", 0) >= 30
     assert sum(labelled) >= 3  # the probes after plain steps 2, 4, 8 and 16 at least, once labelled
     assert runner.probe_tree is None and not tuner._waiting
+
+
+def test_tree_rounds_probe_the_other_family_and_its_labels_stay_with_the_request(load, pair_dirs, tmp_path):
+    """While a tree runs, some rounds also score the best tree of the other family (TreeFlash beside
+    the marginal tree and the reverse) from the round's own drafter pass; this round's tokens and the
+    next label it in hindsight, for the request's own calibration only. Output stays the verifier's."""
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    want = hf_greedy(pair.verifier, ids, 48)
+    runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + want, seed=1)
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree_part=1.0))
+    probes, calls = [], []
+    real_due, real_observe = tuner._probe_due, tuner.auto.acceptance.observe
+
+    def due(s, bucket):
+        p = real_due(s, bucket)
+        if p is not None and s.mode != "ar":
+            probes.append((s.mode, p.mode))
+        return p
+
+    def observe(obs, stream=None, deployment=True):
+        calls.append(deployment)
+        return real_observe(obs, stream, deployment)
+
+    tuner._probe_due, tuner.auto.acceptance.observe = due, observe
+    res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=48), tuner=tuner)
+    assert res.token_ids == want
+    assert len(probes) >= 2, probes  # after the 2nd and 4th tree rounds of the choice at least
+    assert all((a == "treeflash") != (b == "treeflash") for a, b in probes), probes
+    assert calls.count(False) >= 2  # labelled probes, kept from the deployment's calibration
+    assert runner.probe_tree is None and not tuner._waiting
