@@ -9,9 +9,10 @@ score (the sum of the drafter's log-probabilities along its path). Tokens gained
     E[tokens | tree] = 1 + sum over the tree's nodes of P(accepted | score).
 
 P(accepted | score) is calibrated online: counts of accepted / seen nodes in log-prob bins, with a
-Beta prior of `prior_strength` pseudo-observations centred on exp(score), the drafter's own
-probability of the path. Before any round it predicts exp(score); with data it converges to the
-observed rates. Per node:  p = (acc[bin] + s * exp(score)) / (seen[bin] + s).
+Beta prior of `prior_strength` pseudo-observations centred on r * exp(score), the drafter's own
+probability of the path scaled by its measured overconfidence r (Calibrator). Before any round it
+predicts exp(score); with data it converges to the observed rates. Per node:
+p = (acc[bin] + s * r * exp(score)) / (seen[bin] + s).
 
 The decision uses many rounds, not one: for each tracked point (family, M, K, n) the model keeps an
 exponential moving average over rounds of, per bin, the node count and the sum of exp(score) of the
@@ -49,6 +50,9 @@ from .setting import TOP_KS, TOP_MS, TREE_SIZES, Setting
 BIN_EDGES = np.array([-12.0, -8.0, -6.0, -5.0, -4.0, -3.5, -3.0, -2.5, -2.0, -1.75, -1.5, -1.25, -1.0, -0.8, -0.6,
                       -0.45, -0.3, -0.2, -0.1, -0.05])
 NBINS = len(BIN_EDGES) + 1
+PRIOR_FIT_BELOW = -0.5  # the nodes the prior's scale is fitted on (near-certain ones say little)
+PRIOR_FIT_STRENGTH = 8.0  # pseudo-nodes' worth of expected acceptance at r = 1 (one unlucky round moves it little)
+PRIOR_RANGE = (0.2, 1.5)
 
 
 def bins_of(scores: np.ndarray) -> np.ndarray:
@@ -77,29 +81,44 @@ class Observation:
 
 
 class Calibrator:
-    """P(accepted | path score): binned counts with a Beta prior centred on a per-node prior mean."""
+    """P(accepted | path score): binned counts with a Beta prior centred on a per-node prior mean,
+    r * exp(score). r is the drafter's overconfidence away from certainty: accepted over expected
+    (sum of exp(score)) among the labelled nodes scored below PRIOR_FIT_BELOW, with PRIOR_FIT_STRENGTH
+    at r = 1, kept within PRIOR_RANGE. A drafter that is right half as often as it claims then
+    predicts half as much in the bins no round has filled yet (large trees' lower nodes, early on)."""
 
     def __init__(self, prior_strength: float = 4.0, decay: float = 1.0):
         self.s, self.decay = float(prior_strength), float(decay)
         self.acc = np.zeros(NBINS)
         self.seen = np.zeros(NBINS)
+        self.fit_acc = 0.0  # accepted nodes scored below PRIOR_FIT_BELOW
+        self.fit_exp = 0.0  # their sum of exp(score)
 
     def update(self, scores: np.ndarray, accepted: np.ndarray) -> None:
         if self.decay != 1.0:  # forget slowly, so the rates follow drift in the traffic
             self.acc *= self.decay
             self.seen *= self.decay
+            self.fit_acc *= self.decay
+            self.fit_exp *= self.decay
         b = bins_of(scores)
         np.add.at(self.seen, b, 1.0)
         np.add.at(self.acc, b, accepted.astype(float))
+        low = scores < PRIOR_FIT_BELOW
+        self.fit_acc += float(accepted[low].sum())
+        self.fit_exp += float(np.exp(scores[low]).sum())
+
+    @property
+    def prior_scale(self) -> float:
+        return float(np.clip((self.fit_acc + PRIOR_FIT_STRENGTH) / (self.fit_exp + PRIOR_FIT_STRENGTH), *PRIOR_RANGE))
 
     def coefficients(self, outer: "Calibrator | None" = None, blend: float = 16.0) -> tuple[np.ndarray, np.ndarray]:
         """(alpha, beta) per bin such that p(node) = alpha[bin] + beta[bin] * exp(score).
 
         With `outer` (the deployment's calibrator) these are a request's own counts with the outer
         probability as their prior of strength `blend`."""
-        a = self.acc / (self.seen + self.s)
-        b = self.s / (self.seen + self.s)
         if outer is None:
+            a = self.acc / (self.seen + self.s)
+            b = self.s * self.prior_scale / (self.seen + self.s)
             return a, b
         ga, gb = outer.coefficients()
         denom = self.seen + blend
@@ -341,7 +360,8 @@ class AcceptanceModel:
         return {"bins": arr(BIN_EDGES), "sizes": arr(self.sizes), "combos": {f: [list(c) for c in cs]
                                                                            for f, cs in self.combos.items()},
                 "ema": self.ema, "rounds": self.rounds,
-                "calibrators": {f: {"acc": arr(c.acc), "seen": arr(c.seen)} for f, c in self.calibrators.items()},
+                "calibrators": {f: {"acc": arr(c.acc), "seen": arr(c.seen), "fit": [c.fit_acc, c.fit_exp]}
+                                for f, c in self.calibrators.items()},
                 "chain": {"reached": {str(d): v for d, v in self.chain.reached.items()},
                           "acc": {str(d): v for d, v in self.chain.acc.items()},
                           "step_p": {str(d): list(v) for d, v in self.chain.step_p.items()}},
@@ -376,12 +396,17 @@ class AcceptanceModel:
             if acc.shape != (NBINS,) or seen.shape != (NBINS,) or (acc < 0).any() or (acc > seen + 1e-9).any():
                 raise ValueError(f"calibration counts of family {f} are malformed")
             scale = np.minimum(1.0, max_seen / np.maximum(seen, 1e-9))
-            cals[f] = (acc * scale, seen * scale)
+            fit = [float(x) for x in d["calibrators"][f].get("fit", (0.0, 0.0))]  # absent: saved before the fit
+            if len(fit) != 2 or min(fit) < 0:
+                raise ValueError(f"calibration counts of family {f} are malformed")
+            shrink = min(1.0, max_seen / max(fit[1], 1e-9))
+            cals[f] = (acc * scale, seen * scale, fit[0] * shrink, fit[1] * shrink)
         ch = d["chain"]
         chain = ({int(k): float(v) for k, v in ch["reached"].items()}, {int(k): float(v) for k, v in ch["acc"].items()},
                  {int(k): (float(v[0]), float(v[1])) for k, v in ch["step_p"].items()})
-        for f, (acc, seen) in cals.items():  # nothing is changed before everything has been read
-            self.calibrators[f].acc, self.calibrators[f].seen = acc, seen
+        for f, (acc, seen, fit_acc, fit_exp) in cals.items():  # nothing is changed before everything is read
+            c = self.calibrators[f]
+            c.acc, c.seen, c.fit_acc, c.fit_exp = acc, seen, fit_acc, fit_exp
         for f, c in shaped.items():
             self.full[f], self.full_w[f], self.full_ref[f], self.partial[f], self.partial_w[f] = (
                 c["full"], c["full_w"], c["full_ref"], c["partial"], c["partial_w"])

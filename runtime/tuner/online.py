@@ -39,8 +39,9 @@ SAVE_EVERY_S = 30.0  # the acceptance model goes to disk at most this often (and
 OBSERVE_ALL = 64
 OBSERVE_EVERY = 4
 # Score probes (one sequence, eagerly). While plain decoding runs, its 2nd, 4th, 8th and 16th plain
-# steps also draft and score the best tree without verifying it (TorchRunner._probe_scores: a
-# drafter pass, the expansion and the tree build, about a quarter of a plain step of the demo pair);
+# steps also draft and score the best tree of one family without verifying it, TreeFlash and the
+# marginal tree in turn (TorchRunner._probe_scores: a drafter pass, the expansion and the tree
+# build, about a quarter of a plain step of the demo pair);
 # while a tree runs, its 2nd, 4th, 8th and 16th rounds also score the best tree of the other family
 # (TreeFlash beside the marginal tree or the chain, and the reverse) from the round's own drafter
 # pass. Then every PROBE_EVERY-th such round while the probed tree is predicted at least as fast as
@@ -156,6 +157,7 @@ class TreeTuner:
         # family): rounds of that kind since serve, and (the round of the next probe, the gap after it).
         self._probe_rounds = {"plain": 0, "family": 0}
         self._probe_next = {"plain": (2, 2), "family": (2, 2)}
+        self._plain_probes = 0
         self._probe: Setting | None = None  # the tree the runner scores after this plain step
         self._waiting: list = []  # score probes waiting for the tokens that label them: [setting, raw, tokens]
 
@@ -251,6 +253,7 @@ class TreeTuner:
         self._rounds = 0
         self._probe_rounds = {"plain": 0, "family": 0}
         self._probe_next = {"plain": (2, 2), "family": (2, 2)}
+        self._plain_probes = 0
 
     def release(self, runner) -> None:
         """The runner's extra work for the tuner off again."""
@@ -282,7 +285,7 @@ class TreeTuner:
 
     def _probe_due(self, s: Setting, bucket: int) -> Setting | None:
         """The tree to score-probe in this round of the choice s, if one is due: while plain decoding
-        runs, the best tree; while a tree runs, the best tree of the other family (TreeFlash for the
+        runs, the best tree of each family in turn; while a tree runs, the best tree of the other family (TreeFlash for the
         marginal tree and the chain, and the reverse), whose prediction the request's own rounds
         otherwise never inform. Each kind keeps its own schedule (see PROBE_EVERY)."""
         kind = "plain" if s.mode == "ar" else "family"
@@ -293,14 +296,18 @@ class TreeTuner:
         choice = self.auto.choices.get(bucket)
         if choice is None:
             return None
-        if kind == "plain":
-            best, rate, ref = choice.runner_up, choice.runner_up_tokens_per_s, choice.plain_tokens_per_s
+        if kind == "plain":  # the best tree of each family in turn (TreeFlash first)
+            self._plain_probes += 1
+            want = ("treeflash", "marginal")[(self._plain_probes - 1) % 2]
+            best = self.auto.best_of(bucket, [c for c in self.auto.candidates if c.mode == want]) \
+                or choice.runner_up
+            ref = choice.plain_tokens_per_s
         else:
             fam = "treeflash" if s.mode == "treeflash" else "marginal"
             best = self.auto.best_of(bucket, [c for c in self.auto.candidates if c.mode in ("treeflash", "marginal")
                                               and (c.mode == "treeflash") != (fam == "treeflash")])
-            rate = None if best is None else self.auto.predicted_rate(best, bucket, self.stream)
             ref = choice.tokens_per_s
+        rate = None if best is None else self.auto.predicted_rate(best, bucket, self.stream)
         if best is None or best.mode not in ("treeflash", "marginal"):
             return None
         hopeful = (rate or 0.0) >= (ref or float("inf"))
@@ -317,8 +324,11 @@ class TreeTuner:
 
     def round_took(self, seconds: float, bucket: int = 1) -> None:
         """The wall-clock time of the round that just ran (corrects the cost model's predictions). With
-        CUDA graphs the first round of each setting and bucket is left out: it captures the graph."""
+        CUDA graphs the first round of each setting and bucket is left out: it captures the graph; a
+        round that also ran a score probe is left out too."""
         key = (bucket, self.current)
+        if self._probe is not None:  # the probe's work is not the setting's
+            return
         if self.current is not None and (key in self._timed or not self.captures):
             self.auto.observe_time(self.current, bucket, 1000.0 * seconds)
         self._timed.add(key)
