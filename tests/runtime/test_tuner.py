@@ -764,4 +764,4 @@ def test_the_prior_follows_the_drafters_measured_overconfidence():
     state.calibrators["treeflash"] = cal
     again = AcceptanceModel()
     again.load_json(json.loads(json.dumps(state.to_json())))
-    assert again.calibrators["treeflash"].prior_scale == pytest.approx(cal.prior_scale)
+    assert again.calibrators["treeflash"].prior_scale == pytest.approx(cal.prior_scale, rel=0.05)  # counts capped on load
