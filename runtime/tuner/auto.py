@@ -25,7 +25,8 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
   setting of another family (or, while plain decoding is chosen, the best tree), so estimates of
   what is not being run stay current; the interval doubles (up to `max_explore_every`) while
   refreshing changes nothing, and a refresh waits until its round costs at most `explore_share`
-  (5%) of the time spent since the last one (a tree round of 8 slots may cost several plain ones).
+  (5%) of the time spent since the last one (a tree round of 8 slots may cost several plain ones),
+  and it is skipped when its setting is predicted below `refresh_floor` (75%) of the choice's rate.
 - margin: a tree is chosen over plain decoding only when predicted `margin` faster (5%), and by
   more while few rounds support a setting's prediction (`required_margin`): the predictions err,
   most of all early, and the promise is never to be slower than plain decoding.
@@ -112,11 +113,13 @@ class AutoTuner:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, candidates: list[Setting], block_size: int,
                  hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
                  max_explore_every: int = 512, margin: float = 0.05, doubt: float = 0.2,
-                 explore_share: float = 0.05, confirm_every: int = 4, seed_rounds: int = 3):
+                 explore_share: float = 0.05, confirm_every: int = 4, seed_rounds: int = 3,
+                 refresh_floor: float = 0.75):
         self.cost, self.acceptance, self.block_size = Realised(cost), acceptance, block_size
         self.candidates = list(candidates)
         self.hysteresis, self.plain, self.margin, self.doubt = hysteresis, plain, margin, doubt
         self.explore_share, self.confirm_every, self.seed_rounds = explore_share, confirm_every, seed_rounds
+        self.refresh_floor = refresh_floor
         self._seeds: Counter = Counter()  # family -> seed rounds run
         self._seeded: set[str] = set()  # the families seeded enough
         self._plain_since: Counter = Counter()  # bucket -> plain rounds since the last confirming one
@@ -312,7 +315,12 @@ class AutoTuner:
             # of the chosen ones, so it runs once it is at most `explore_share` of the time spent since
             # the last one.
             if bucket not in self._due:
-                self._due[bucket] = self._refresh_setting(bucket, choice.setting)
+                due = self._refresh_setting(bucket, choice.setting)
+                rate = None if due is None else self.predicted_rate(due, bucket)
+                # Not for a setting predicted far slower than the choice: its round would cost much
+                # and could hardly change the choice (score probes follow it instead, where they run).
+                self._due[bucket] = due if rate is not None and rate >= self.refresh_floor * choice.tokens_per_s \
+                    else None
             refresh = self._due[bucket]
             spent = self._since[bucket] * self.cost.round_ms(choice.setting, bucket)
             if refresh is not None and self.cost.round_ms(refresh, bucket) > self.explore_share * spent:

@@ -493,7 +493,7 @@ def test_refreshes_back_off_while_they_change_nothing():
     dear = CostModel({1: BucketCosts(ar=10, draft=5, verify={4: 14, 64: 80}, expand={(1, 8): 8}, tree={4: 1, 64: 2},
                                      other=1)})
     tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8,
-                      max_explore_every=64, explore_share=1.0)
+                      max_explore_every=64, explore_share=1.0, refresh_floor=0.0)
     picked = run_rounds(tuner, rng, 300, alpha=3.0)  # a drafter far less right than it thinks
     trees = [i for i, s in enumerate(picked) if s.mode != "ar"]
     assert picked[-1] == PLAIN and 3 <= len(trees) <= 12, trees
@@ -503,12 +503,18 @@ def test_refreshes_back_off_while_they_change_nothing():
     # time since the last one, so refreshes are rarer and take at most about 5% of the rounds' time.
     rng = np.random.default_rng(5)
     tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8,
-                      max_explore_every=64)
+                      max_explore_every=64, refresh_floor=0.0)
     picked = run_rounds(tuner, rng, 300, alpha=3.0)
     refreshes = [i for i, s in enumerate(picked) if s.mode != "ar"][tuner.explored["seed"]:]
     assert refreshes and refreshes[0] >= 55 and min(np.diff(refreshes)) >= 55, refreshes
     spent = sum(dear.round_ms(s) for s in picked[refreshes[0]:])
     assert sum(dear.round_ms(picked[i]) for i in refreshes) <= 0.08 * spent
+    # By default a refresh of a tree predicted below 75% of plain decoding's rate does not run at all.
+    rng = np.random.default_rng(5)
+    tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8,
+                      max_explore_every=64)
+    picked = run_rounds(tuner, rng, 300, alpha=3.0)
+    assert tuner.explored["refresh"] == 0 and picked[-1] == PLAIN
 
 
 def test_m_and_k_settle_and_then_only_n_moves():
