@@ -122,6 +122,7 @@ class AutoTuner:
         self.refresh_floor = refresh_floor
         self._seeds: Counter = Counter()  # family -> seed rounds run
         self._seeded: set[str] = set()  # the families seeded enough
+        self._grown: set[Setting] = set()  # the settings growth has run
         self._plain_since: Counter = Counter()  # bucket -> plain rounds since the last confirming one
         self.explore_every, self.max_explore_every, self.settle_after = explore_every, max_explore_every, settle_after
         self.current: dict[int, Setting] = {}
@@ -201,8 +202,8 @@ class AutoTuner:
         best, best_rate = None, self._rate(s, choice.tokens_per_round, bucket) * (1.0 + self.hysteresis)
         settled = self.settled.get(bucket)
         for up in self._up(s):
-            if self.acceptance.observed(up) or (settled and up.mode == "treeflash"
-                                                and (up.top_m, up.top_k) != settled):
+            if self.acceptance.observed(up) or up in self._grown or (settled and up.mode == "treeflash"
+                                                                      and (up.top_m, up.top_k) != settled):
                 continue
             down = self._down(s, up)
             measured = choice.tokens_per_round - (self.acceptance.expected(down, None, self.block_size) or 0.0) \
@@ -339,6 +340,7 @@ class AutoTuner:
             return self._explore("confirm", confirm)
         grow = self.grow_setting(choice, bucket)
         if grow is not None:
+            self._grown.add(grow)  # once: a tree whose drafts run out short of N is never seen whole
             return self._explore("grow", grow)
         return choice.setting
 

@@ -293,7 +293,7 @@ def test_tree_rounds_probe_the_other_family_and_its_labels_stay_with_the_request
     next label it in hindsight, for the request's own calibration only. Output stays the verifier's."""
     pair = load("qwen3")
     ids = pair.tokenizer(PROMPTS[0])["input_ids"]
-    want = hf_greedy(pair.verifier, ids, 48)
+    want = hf_greedy(pair.verifier, ids, 128)
     runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + want, seed=1)
     tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree_part=1.0))
     probes, calls = [], []
@@ -310,7 +310,7 @@ def test_tree_rounds_probe_the_other_family_and_its_labels_stay_with_the_request
         return real_observe(obs, stream, deployment)
 
     tuner._probe_due, tuner.auto.acceptance.observe = due, observe
-    res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=48), tuner=tuner)
+    res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=128), tuner=tuner)
     assert res.token_ids == want
     assert len(probes) >= 2, probes  # after the 2nd and 4th tree rounds of the choice at least
     assert all((a == "treeflash") != (b == "treeflash") for a, b in probes), probes
