@@ -23,12 +23,10 @@ A point is 'fully observed' by a round when the round's tree held at least n-1 e
 was built with M >= M', K >= K'; points never fully observed use the average of the partial sums,
 a lower bound (a bigger tree only adds nodes).
 
-Points are seen whole by different rounds (a large tree only in the rounds that built one). A point
-seen in a few lucky rounds may look better than one seen in many; the choice discounts predictions
-by their support instead of rescaling them (auto.AutoTuner.tree_margin). A ratio to the reference
-point's gain (recent rounds against the rounds that saw the point whole) was tried: on `make demo`'s
-prompt it scaled large trees' gains by 1.3-2x, above what their own rounds' nodes predicted and what
-they gained (N = 16, M = K = 16: 4.3 tokens a round predicted, 3.2-3.4 gained).
+Points are seen whole by different rounds (a large tree only in the rounds that built one), and a
+point seen in a few lucky rounds would look better than one seen in many. So each point's gain is
+scaled by a ratio: the reference point's (smallest N, M, K, which every tree holds) average gain
+over all recent rounds, over its gain in the rounds that saw the point whole.
 
 Families: 'treeflash' (head-conditional scores) and 'marginal' (marginal scores; chain rounds feed
 its calibration too, their path is the marginal argmax). The chain keeps its own estimate: per-depth
@@ -52,11 +50,6 @@ from .setting import TOP_KS, TOP_MS, TREE_SIZES, Setting
 BIN_EDGES = np.array([-12.0, -8.0, -6.0, -5.0, -4.0, -3.5, -3.0, -2.5, -2.0, -1.75, -1.5, -1.25, -1.0, -0.8, -0.6,
                       -0.45, -0.3, -0.2, -0.1, -0.05])
 NBINS = len(BIN_EDGES) + 1
-# After restart_averages a round weighs at most this much in the averages (then 1/(n+1), then the
-# moving average's ema): a new request's first rounds count more than old traffic's, but one round
-# alone does not make half of a point's average (the averages then ran about a fifth above what the
-# rounds' own nodes predicted on `make demo`'s prompt).
-RESTART_CAP = 0.25
 PRIOR_FIT_BELOW = -0.5  # the nodes the prior's scale is fitted on (near-certain ones say little)
 PRIOR_FIT_STRENGTH = 8.0  # pseudo-nodes' worth of expected acceptance at r = 1 (one unlucky round moves it little)
 PRIOR_RANGE = (0.2, 1.5)
@@ -203,6 +196,8 @@ class AcceptanceModel:
         # Per family: statistics [combos, sizes, 2 * NBINS] (counts, then exp-sums) and their EMA weights.
         self.full = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
         self.full_w = {f: np.zeros(shape(f)) for f in self.combos}
+        # The reference point's statistics over the same rounds as each point's `full` average (see expected).
+        self.full_ref = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
         self.partial = {f: np.zeros((*shape(f), 2 * NBINS)) for f in self.combos}
         self.partial_w = {f: np.zeros(shape(f)) for f in self.combos}
         # How many rounds informed each point (seen whole, or at all), forgotten as slowly as the
@@ -289,10 +284,14 @@ class AcceptanceModel:
                 & informed[:, None])  # [C, S]
         part = np.broadcast_to(informed[:, None], full.shape)
         # After restart_averages the rounds weigh as a plain mean with the past as one of them (1/2,
-        # 1/3, ..., at most RESTART_CAP) until that falls to `ema`: a new request's scores replace the
-        # old traffic's quickly.
+        # 1/3, ...) until that falls to `ema`: a new request's scores replace the old traffic's quickly.
         self._fresh[fam] += 1
-        a = max(self.ema, min(RESTART_CAP, 1.0 / (self._fresh[fam] + 1)))
+        a = max(self.ema, 1.0 / (self._fresh[fam] + 1))
+        if full[0, 0]:  # the reference point (smallest M, K and N) beside every point this round saw whole
+            ref = self.full_ref[fam]
+            ref[full] = (1 - a) * ref[full] + a * stats[0, 0]
+        else:  # rare (a round too small for the reference): its points keep their reference in step
+            full = np.zeros_like(full)
         for upd, vals, wts, cnt in ((part, self.partial[fam], self.partial_w[fam], self.partial_n[fam]),
                                     (full, self.full[fam], self.full_w[fam], self.full_n[fam])):
             vals[upd] = (1 - a) * vals[upd] + a * stats[upd]
@@ -342,6 +341,13 @@ class AcceptanceModel:
         if self.full_w[fam][c, i] > 0:
             w = self.full_w[fam][c, i]
             gain = float(self.full[fam][c, i] @ coef) / w
+            # Ratio estimator: the rounds that saw this point whole may have been luckier (or not) than
+            # recent traffic; scale its gain by the reference point's gain over all recent rounds
+            # against its gain over those same rounds, so settings seen in different rounds compare fairly.
+            same = float(self.full_ref[fam][c, i] @ coef) / w
+            recent = float(self.full[fam][0, 0] @ coef) / self.full_w[fam][0, 0]
+            if same > 1e-6 and recent > 0:
+                gain *= recent / same
             return 1.0 + gain
         if self.partial_w[fam][c, i] > 0:
             return 1.0 + float(self.partial[fam][c, i] @ coef) / self.partial_w[fam][c, i]
@@ -359,7 +365,7 @@ class AcceptanceModel:
                 "chain": {"reached": {str(d): v for d, v in self.chain.reached.items()},
                           "acc": {str(d): v for d, v in self.chain.acc.items()},
                           "step_p": {str(d): list(v) for d, v in self.chain.step_p.items()}},
-                "curves": {f: {"full": arr(self.full[f]), "full_w": arr(self.full_w[f]),
+                "curves": {f: {"full": arr(self.full[f]), "full_w": arr(self.full_w[f]), "full_ref": arr(self.full_ref[f]),
                                "partial": arr(self.partial[f]), "partial_w": arr(self.partial_w[f]),
                                "full_n": arr(self.full_n[f]), "partial_n": arr(self.partial_n[f])}
                            for f in self.combos}}
@@ -375,12 +381,13 @@ class AcceptanceModel:
         shaped = {}
         for f in self.combos:
             c = d["curves"][f]
-            shaped[f] = {k: np.asarray(c[k], dtype=float) for k in ("full", "full_w", "partial", "partial_w")}
+            shaped[f] = {k: np.asarray(c[k], dtype=float) for k in ("full", "full_w", "full_ref", "partial", "partial_w")}
             for k in ("full", "partial"):  # a state saved before the counts: the rounds its weights imply
                 n = c.get(f"{k}_n")
                 shaped[f][f"{k}_n"] = (np.asarray(n, dtype=float) if n is not None
                                        else self._rounds_of(shaped[f][f"{k}_w"]))
             if (shaped[f]["full"].shape != self.full[f].shape or shaped[f]["full_w"].shape != self.full_w[f].shape
+                    or shaped[f]["full_ref"].shape != self.full[f].shape
                     or any(shaped[f][k].shape != self.full_w[f].shape for k in ("full_n", "partial_n"))):
                 raise ValueError(f"curves of family {f} have another shape")
         cals = {}
@@ -401,8 +408,8 @@ class AcceptanceModel:
             c = self.calibrators[f]
             c.acc, c.seen, c.fit_acc, c.fit_exp = acc, seen, fit_acc, fit_exp
         for f, c in shaped.items():
-            self.full[f], self.full_w[f], self.partial[f], self.partial_w[f] = (
-                c["full"], c["full_w"], c["partial"], c["partial_w"])
+            self.full[f], self.full_w[f], self.full_ref[f], self.partial[f], self.partial_w[f] = (
+                c["full"], c["full_w"], c["full_ref"], c["partial"], c["partial_w"])
             self.full_n[f], self.partial_n[f] = c["full_n"], c["partial_n"]
         self.chain.reached, self.chain.acc, self.chain.step_p = chain
         self.rounds = int(d.get("rounds", 0))

@@ -185,13 +185,10 @@ class TreeTuner:
             key, buckets, lambda todo: measure_runner(runner, todo, log), retune=retune, log=log))
         plain = fixed.get("mode") in (None, "ar")
         # A wider hysteresis than the policy's default: a new setting must promise 10% more (on a GPU each
-        # new setting is a graph capture). M and K settle only where each setting is a captured graph:
-        # eagerly they follow the predictions (a large M and K chosen on a few early rounds would
-        # otherwise stay, although every later round predicts the smaller ones too).
+        # new setting is a graph capture).
         acceptance = AcceptanceModel()
         auto = AutoTuner(cost, acceptance, [s for s in candidates if s.mode != "ar"] or candidates,
-                         runner.block_size, hysteresis=0.1, plain=plain,
-                         settle_after=16 if getattr(runner, "use_graphs", False) else 0)
+                         runner.block_size, hysteresis=0.1, plain=plain)
         if store is True:
             store = AcceptanceStore(cache.root.parent / "acceptance") if cache is not None else AcceptanceStore()
         skey = acceptance_key(runner, sources, drafter_temperature) if store else None

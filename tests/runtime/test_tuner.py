@@ -641,9 +641,8 @@ def test_hindsight_labels_follow_the_committed_path():
 
 
 def test_a_new_request_replaces_the_old_traffics_averages_quickly():
-    """After restart_averages the next rounds weigh up to a quarter each against the past (then 1/(n+1),
-    then the moving average): four rounds of a confident request move the expected tokens two thirds
-    of the way to it."""
+    """After restart_averages the next rounds weigh 1/2, 1/3, ... against the past (then the moving
+    average): four rounds of a confident request move the expected tokens most of the way to it."""
     rng = np.random.default_rng(11)
     model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
     shy = lambda: Observation("treeflash", np.full(31, -6.0), np.zeros(0, bool), 1, 8,  # noqa: E731
@@ -667,7 +666,7 @@ def test_a_new_request_replaces_the_old_traffics_averages_quickly():
         only_sure.observe(sure())
     high = only_sure.expected(s)
     assert high > low + 1.0
-    assert model.expected(s) - low >= 0.6 * (high - low)  # the past weighs 0.75^4, a third, after four rounds
+    assert model.expected(s) - low >= 0.75 * (high - low)  # the past weighs 1/5 after four rounds
     assert slow.expected(s) - low <= 0.3 * (high - low)  # the moving average alone: about 1 - 0.95^4
 
 
@@ -690,8 +689,8 @@ def test_support_counts_rounds_even_when_a_new_request_weighs_its_first_rounds_m
 def test_one_unlucky_seed_round_does_not_rule_a_family_out():
     """TreeFlash is the better family (a calibrated drafter; marginal trees from an overconfident one),
     but its first round accepts nothing. Seeding each tree family until three rounds support its best
-    prediction, TreeFlash runs at the end of 30 rounds in 15 of 20 seeded processes (at least 14
-    asked); with one seed round per family in 8 (at most 10 asked): marginal trees keep winning
+    prediction, TreeFlash runs at the end of 30 rounds in 17 of 20 seeded processes (at least 16
+    asked); with one seed round per family in 9 (at most 12 asked): marginal trees keep winning
     until a refresh (none here)."""
     cands = candidate_settings(("ar", "marginal", "treeflash"), B, fixed={"top_m": 1}, top_ks=(4, 8))
     cost = CostModel({1: BucketCosts(ar=10, draft=1, verify={4: 10.5, 8: 11, 16: 12, 64: 16}, expand={(1, 8): 0.5},
@@ -718,8 +717,8 @@ def test_one_unlucky_seed_round_does_not_rule_a_family_out():
         assert [s.mode for s in picked[:2 * seed_rounds]] == ["treeflash", "marginal"] * seed_rounds  # in turn
         return picked[-1].mode
 
-    assert sum(last(3, seed) == "treeflash" for seed in range(20, 40)) >= 14
-    assert sum(last(1, seed) == "treeflash" for seed in range(20, 40)) <= 10
+    assert sum(last(3, seed) == "treeflash" for seed in range(20, 40)) >= 16
+    assert sum(last(1, seed) == "treeflash" for seed in range(20, 40)) <= 12
 
 
 def test_score_probes_thin_out_while_the_best_tree_is_predicted_slower():
