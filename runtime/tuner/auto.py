@@ -287,7 +287,7 @@ class AutoTuner:
         fams = [f for f in self.families() if current is None or f != current.mode]
         for i in range(len(fams)):
             f = fams[(self._next_family // 2 + i) % len(fams)]
-            best = self._best_tree(bucket, [s for s in self.candidates if s.mode == f])
+            best = self.best_of_mode(bucket, f)
             if best is not None:
                 return best
         return None
@@ -349,9 +349,9 @@ class AutoTuner:
         the last may change the choice)."""
         self._gap.clear()
 
-    def best_of(self, bucket: int, cands: list[Setting]) -> Setting | None:
-        """The best-predicted of these settings that could pay, before any margin (None: none)."""
-        return self._best_tree(bucket, cands)
+    def best_of_mode(self, bucket: int, mode: str) -> Setting | None:
+        """The best-predicted candidate of this mode that could pay, before any margin (None: none)."""
+        return self._best_tree(bucket, [s for s in self.candidates if s.mode == mode])
 
     def predicted_rate(self, s: Setting, bucket: int, stream: RequestStream | None = None) -> float | None:
         """Expected tokens per second at s (None: no prediction)."""
@@ -374,7 +374,7 @@ class AutoTuner:
             elif f == "chain" or self._seeds[f] >= self.seed_rounds:
                 s = None
             else:
-                s = self._best_tree(bucket, [c for c in self.candidates if c.mode == f])
+                s = self.best_of_mode(bucket, f)
                 if s is not None and self._trusted(s):
                     s = None
             if s is None:

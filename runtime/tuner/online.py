@@ -285,9 +285,10 @@ class TreeTuner:
 
     def _probe_due(self, s: Setting, bucket: int) -> Setting | None:
         """The tree to score-probe in this round of the choice s, if one is due: while plain decoding
-        runs, the best tree of each family in turn; while a tree runs, the best tree of the other family (TreeFlash for the
-        marginal tree and the chain, and the reverse), whose prediction the request's own rounds
-        otherwise never inform. Each kind keeps its own schedule (see PROBE_EVERY)."""
+        runs, the best tree of each family in turn (TreeFlash first); while a tree runs, the best tree
+        of the other family (TreeFlash for the marginal tree and the chain, and the reverse), whose
+        prediction the request's own rounds otherwise never inform. Each kind keeps its own schedule
+        (see PROBE_EVERY)."""
         kind = "plain" if s.mode == "ar" else "family"
         n = self._probe_rounds[kind] = self._probe_rounds[kind] + 1
         nxt, gap = self._probe_next[kind]
@@ -296,21 +297,17 @@ class TreeTuner:
         choice = self.auto.choices.get(bucket)
         if choice is None:
             return None
-        if kind == "plain":  # the best tree of each family in turn (TreeFlash first)
+        if kind == "plain":
             self._plain_probes += 1
             want = ("treeflash", "marginal")[(self._plain_probes - 1) % 2]
-            best = self.auto.best_of(bucket, [c for c in self.auto.candidates if c.mode == want]) \
-                or choice.runner_up
+            best = self.auto.best_of_mode(bucket, want) or choice.runner_up
             ref = choice.plain_tokens_per_s
         else:
-            fam = "treeflash" if s.mode == "treeflash" else "marginal"
-            best = self.auto.best_of(bucket, [c for c in self.auto.candidates if c.mode in ("treeflash", "marginal")
-                                              and (c.mode == "treeflash") != (fam == "treeflash")])
+            best = self.auto.best_of_mode(bucket, "marginal" if s.mode == "treeflash" else "treeflash")
             ref = choice.tokens_per_s
-        rate = None if best is None else self.auto.predicted_rate(best, bucket, self.stream)
         if best is None or best.mode not in ("treeflash", "marginal"):
             return None
-        hopeful = (rate or 0.0) >= (ref or float("inf"))
+        hopeful = (self.auto.predicted_rate(best, bucket, self.stream) or 0.0) >= (ref or float("inf"))
         self._probe_next[kind] = (n + gap, min(2 * gap, PROBE_EVERY if hopeful else MAX_PROBE_GAP))
         return best
 
@@ -326,9 +323,9 @@ class TreeTuner:
         """The wall-clock time of the round that just ran (corrects the cost model's predictions). With
         CUDA graphs the first round of each setting and bucket is left out: it captures the graph; a
         round that also ran a score probe is left out too."""
-        key = (bucket, self.current)
         if self._probe is not None:  # the probe's work is not the setting's
             return
+        key = (bucket, self.current)
         if self.current is not None and (key in self._timed or not self.captures):
             self.auto.observe_time(self.current, bucket, 1000.0 * seconds)
         self._timed.add(key)
