@@ -771,3 +771,17 @@ def test_the_prior_follows_the_drafters_measured_overconfidence():
     again = AcceptanceModel()
     again.load_json(json.loads(json.dumps(state.to_json())))
     assert again.calibrators["treeflash"].prior_scale == pytest.approx(cal.prior_scale, rel=0.05)  # counts capped on load
+
+
+def test_growth_runs_a_setting_once_even_when_its_tree_is_never_seen_whole():
+    """Drafts that run out at depth 2 with K = 4 never fill a 64-node tree, so no round sees it whole;
+    growth still runs each neighbour once instead of every round."""
+    rng = np.random.default_rng(15)
+    cands = candidate_settings(("ar", "treeflash"), B, fixed={"top_m": 1}, top_ks=(4,))
+    tuner = AutoTuner(cheap_verify_cost(), AcceptanceModel(top_ms=(1,), top_ks=(4,)), cands, B, explore_every=0)
+    for _ in range(60):
+        s = tuner.setting(1)
+        obs, _ = synthetic_round(rng, s.tree_size, s.top_k, 1.0, depth_max=2) if s.mode != "ar" else (None, None)
+        tuner.observe(obs)
+    assert not tuner.acceptance.observed(Setting("treeflash", 64, 1, 4))  # at most 1 + 4 + 16 nodes
+    assert tuner.explored["grow"] == len(tuner._grown) <= 4, tuner.explored  # each grown setting ran once
