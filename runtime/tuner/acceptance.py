@@ -341,14 +341,18 @@ class AcceptanceModel:
         if self.full_w[fam][c, i] > 0:
             w = self.full_w[fam][c, i]
             gain = float(self.full[fam][c, i] @ coef) / w
-            # Ratio estimator: the rounds that saw this point whole may have been luckier (or not) than
-            # recent traffic; scale its gain by the reference point's gain over all recent rounds
-            # against its gain over those same rounds, so settings seen in different rounds compare fairly.
+            # The rounds that saw this point whole may have been luckier (or not) than recent traffic:
+            # correct its gain by the reference point's, over all recent rounds against over those same
+            # rounds, so settings seen in different rounds compare fairly. Of the two corrections, the
+            # ratio (the gain scaled as the reference's) and the shift (the gain moved by as much as the
+            # reference's), the lower: a ratio over a few hard old rounds scaled a large tree's gain to
+            # three times what it gained, and a shift on a harder request keeps too much.
             same = float(self.full_ref[fam][c, i] @ coef) / w
             recent = float(self.full[fam][0, 0] @ coef) / self.full_w[fam][0, 0]
             if same > 1e-6 and recent > 0:
-                gain *= recent / same
-            return 1.0 + gain
+                gain = min(gain * recent / same, gain + recent - same)
+            most = min(s.tree_size, block_size) - 1 if block_size else s.tree_size - 1
+            return 1.0 + min(max(gain, 0.0), float(most))
         if self.partial_w[fam][c, i] > 0:
             return 1.0 + float(self.partial[fam][c, i] @ coef) / self.partial_w[fam][c, i]
         return None

@@ -689,9 +689,9 @@ def test_support_counts_rounds_even_when_a_new_request_weighs_its_first_rounds_m
 def test_one_unlucky_seed_round_does_not_rule_a_family_out():
     """TreeFlash is the better family (a calibrated drafter; marginal trees from an overconfident one),
     but its first round accepts nothing. Seeding each tree family until three rounds support its best
-    prediction, TreeFlash runs at the end of 30 rounds in 17 of 20 seeded processes (at least 16
-    asked); with one seed round per family in 9 (at most 12 asked): marginal trees keep winning
-    until a refresh (none here)."""
+    prediction, TreeFlash runs at the end of 30 rounds in 75 of 100 seeded processes (155 of 200
+    seen over another 200; at least 68 asked); with one seed round per family in 55 (104 of 200;
+    at most 62 asked): marginal trees keep winning until a refresh (none here)."""
     cands = candidate_settings(("ar", "marginal", "treeflash"), B, fixed={"top_m": 1}, top_ks=(4, 8))
     cost = CostModel({1: BucketCosts(ar=10, draft=1, verify={4: 10.5, 8: 11, 16: 12, 64: 16}, expand={(1, 8): 0.5},
                                      tree={4: 0.1, 64: 0.3}, other=0.5)})
@@ -717,8 +717,8 @@ def test_one_unlucky_seed_round_does_not_rule_a_family_out():
         assert [s.mode for s in picked[:2 * seed_rounds]] == ["treeflash", "marginal"] * seed_rounds  # in turn
         return picked[-1].mode
 
-    assert sum(last(3, seed) == "treeflash" for seed in range(20, 40)) >= 16
-    assert sum(last(1, seed) == "treeflash" for seed in range(20, 40)) <= 12
+    assert sum(last(3, seed) == "treeflash" for seed in range(100)) >= 68
+    assert sum(last(1, seed) == "treeflash" for seed in range(100)) <= 62
 
 
 def test_score_probes_thin_out_while_the_best_tree_is_predicted_slower():
@@ -785,3 +785,24 @@ def test_growth_runs_a_setting_once_even_when_its_tree_is_never_seen_whole():
         tuner.observe(obs)
     assert not tuner.acceptance.observed(Setting("treeflash", 64, 1, 4))  # at most 1 + 4 + 16 nodes
     assert tuner.explored["grow"] == len(tuner._grown) <= 4, tuner.explored  # each grown setting ran once
+
+
+def test_a_tree_seen_whole_in_one_hard_old_round_is_not_scaled_above_what_it_gains():
+    """N = 32 was seen whole in one round of a hard request (P(accepted) = exp(3 x score)); the request at
+    hand is easy (exp(score)) and runs N = 8. The old round's reference gain is far below the new one,
+    and scaling N = 32's gain by that ratio predicted up to 3.20 tokens a round over 20 seeds where it
+    gains 2.68 (4 of 20 above); shifting it by the reference's difference instead, when that is the
+    lower, keeps every prediction within 5% of the truth from above (the largest 2.66)."""
+    rng = np.random.default_rng(7)
+    truth = np.mean([1 + synthetic_round(rng, 32, 8, 1.0)[1][:31].sum() for _ in range(2000)])
+    predicted = []
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(8,))
+        model.observe(synthetic_round(rng, 32, 8, 3.0)[0])
+        model.restart_averages()
+        for _ in range(30):
+            model.observe(synthetic_round(rng, 8, 8, 1.0)[0])
+        predicted.append(model.expected(Setting("treeflash", 32, 1, 8), None, B))
+    assert max(predicted) <= 1.05 * truth
+    assert np.mean(predicted) > 0.75 * truth  # not a prediction pushed down to nothing
