@@ -38,6 +38,11 @@ SAVE_EVERY_S = 30.0  # the acceptance model goes to disk at most this often (and
 # every round reports (a report is a few kernels, and each on/off would be another captured graph).
 OBSERVE_ALL = 64
 OBSERVE_EVERY = 4
+# ... except the first REQUEST_OBSERVE tree rounds of each request of one sequence: a request's
+# predictions start from the traffic before it, and with a report every fourth round a hard request
+# after easy ones ran TreeFlash N=4 predicted at 2.5 tokens a round for ten rounds while each round's
+# own nodes said 1.6 (two reports in those ten rounds).
+REQUEST_OBSERVE = 16
 # Score probes (one sequence, eagerly). While plain decoding runs, its 2nd, 4th, 8th and 16th plain
 # steps also draft and score the best tree of one family without verifying it, TreeFlash and the
 # marginal tree in turn (TorchRunner._probe_scores: a drafter pass, the expansion and the tree
@@ -153,6 +158,7 @@ class TreeTuner:
         # the engine decides on the deployment's calibration alone.
         self.stream: RequestStream | None = None
         self._rounds = 0  # rounds asked for since serve
+        self._request_trees = 0  # tree rounds of this request of one sequence (see REQUEST_OBSERVE)
         # Per kind of probe (plain: during plain decoding; family: during a tree round, of the other
         # family): rounds of that kind since serve, and (the round of the next probe, the gap after it).
         self._probe_rounds = {"plain": 0, "family": 0}
@@ -239,6 +245,7 @@ class TreeTuner:
         self.used.clear()
         self.tokens.clear()
         self.stream = RequestStream()
+        self._request_trees = 0
         self._waiting = []
         self.auto.acceptance.restart_averages()
         self.auto.new_request()
@@ -273,8 +280,10 @@ class TreeTuner:
         self._probe = None
         if self._runner is not None and not self.captures:
             self._rounds += 1
+            young = self.stream is not None and s.mode != "ar" and self._request_trees < REQUEST_OBSERVE
+            self._request_trees += young
             self._runner.observing = (self.auto.exploring or self.auto.acceptance.rounds < OBSERVE_ALL
-                                      or self._rounds % OBSERVE_EVERY == 0)
+                                      or self._rounds % OBSERVE_EVERY == 0 or young)
             if not self.auto.exploring and self.stream is not None:
                 self._probe = self._probe_due(s, bucket)
                 if self._probe is not None:

@@ -749,6 +749,35 @@ def test_score_probes_thin_out_while_the_best_tree_is_predicted_slower():
         assert probes == want, (tokens, probes)
 
 
+def test_each_request_reports_its_first_tree_rounds_even_after_the_deployment_has_learnt():
+    """Once OBSERVE_ALL rounds are learnt only every OBSERVE_EVERY-th round reports its nodes, but the
+    first REQUEST_OBSERVE tree rounds of each request of one sequence always do: its predictions start
+    from the traffic before it, and only its own reports move them."""
+    from types import SimpleNamespace
+
+    from treeflash_runtime.tuner.online import OBSERVE_ALL, OBSERVE_EVERY, REQUEST_OBSERVE, TreeTuner
+
+    tree = Setting("treeflash", 4, 1, 16)
+    cost = CostModel({1: BucketCosts(ar=10, draft=0, verify={4: 10}, expand={(1, 16): 0}, tree={4: 0}, other=0)})
+    auto = AutoTuner(cost, AcceptanceModel(), [tree], B, explore_every=0, seed_rounds=0, confirm_every=0,
+                     plain=False)
+    auto.acceptance = FixedAcceptance(lambda s: 3.0)
+    auto.acceptance.rounds, auto.acceptance.support = OBSERVE_ALL, (lambda s: 100.0)
+    auto.acceptance.restart_averages = lambda: None
+    tuner = TreeTuner(auto)
+    runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None)
+    tuner.serve(runner)
+    for _ in range(2):  # two requests
+        tuner.new_generation()
+        reported = []
+        for _ in range(40):
+            assert tuner.next_tree(1).mode == "treeflash"
+            reported.append(runner.observing and runner.probe_tree is None)
+        assert all(reported[:REQUEST_OBSERVE])
+        later = reported[REQUEST_OBSERVE:]
+        assert 0 < sum(later) <= len(later) // OBSERVE_EVERY + 3  # every 4th, and the family probes' rounds
+
+
 def test_the_prior_follows_the_drafters_measured_overconfidence():
     """A drafter right half as often as its scores claim (truth exp(score) / 2 below certainty): after
     labelled rounds the prior of bins no round filled is scaled by about a half, so a bin seen only
