@@ -67,8 +67,11 @@ def interpolate(points: dict, x: float) -> float:
 class BucketCosts:
     """Milliseconds of each part of a round of b slots.
 
-    verify: nodes per slot -> ms. tree: nodes per slot -> ms. expand: (top_m, top_k) -> ms, and
-    'chain' -> ms for the chain's argmax.
+    verify: nodes per slot -> ms. tree: nodes per slot -> ms. expand: (top_m, top_k) -> ms over the
+    drafter's whole block, and 'chain' -> ms for the chain's argmax. block: the drafter's block size
+    (0: unknown); a tree of N < block nodes expands only its first N positions
+    (torch_backend.expansion_depth), so its expansion is predicted without the rows it skips, at
+    `row_ms` each.
     """
 
     ar: float
@@ -77,6 +80,7 @@ class BucketCosts:
     expand: dict
     tree: dict[int, float]
     other: float = 0.0
+    block: int = 0
 
     def expand_ms(self, top_m: int, top_k: int) -> float:
         """Bilinear over the measured (M, K) points: over M at each measured K, then over K."""
@@ -85,6 +89,19 @@ class BucketCosts:
             if key != "chain":
                 by_k.setdefault(key[1], {})[key[0]] = ms
         return interpolate({k: interpolate(pts, top_m) for k, pts in by_k.items()}, top_k)
+
+    def row_ms(self) -> float:
+        """The expansion's cost per LM head row: its slope over the conditional rows between the two
+        smallest measured M at one K (the rest, the head's weight reads and the top-K, does not shrink
+        with the rows); 0 without two such points or the block size."""
+        if not self.block:
+            return 0.0
+        for k in sorted({key[1] for key in self.expand if key != "chain"}, reverse=True):
+            ms = sorted((key[0], v) for key, v in self.expand.items() if key != "chain" and key[1] == k)
+            if len(ms) >= 2 and ms[1][0] > ms[0][0]:
+                (m0, t0), (m1, t1) = ms[:2]
+                return max(0.0, (t1 - t0) / ((self.block - 1) * (m1 - m0)))
+        return 0.0
 
     def parts(self, s: Setting) -> dict[str, float]:
         """The predicted ms of each part of a round at setting s (they sum to the round)."""
@@ -95,11 +112,15 @@ class BucketCosts:
             return {"draft": self.draft, "expand": expand, "tree": 0.0,
                     "verify": interpolate(self.verify, s.tree_size), "other": self.other}
         m = 1 if s.mode == "marginal" else s.top_m
-        return {"draft": self.draft, "expand": self.expand_ms(m, s.top_k), "tree": interpolate(self.tree, s.tree_size),
+        expand = self.expand_ms(m, s.top_k)
+        if 0 < s.tree_size < self.block:  # LM head rows: d positions' marginal ones, (d - 1) x M conditional ones
+            rows = (lambda d: d + (d - 1) * m) if s.mode == "treeflash" else (lambda d: d)
+            expand = max(0.0, expand - self.row_ms() * (rows(self.block) - rows(s.tree_size)))
+        return {"draft": self.draft, "expand": expand, "tree": interpolate(self.tree, s.tree_size),
                 "verify": interpolate(self.verify, s.tree_size), "other": self.other}
 
     def to_json(self) -> dict:
-        return {"ar": self.ar, "draft": self.draft, "other": self.other,
+        return {"ar": self.ar, "draft": self.draft, "other": self.other, "block": self.block,
                 "verify": {str(n): ms for n, ms in sorted(self.verify.items())},
                 "tree": {str(n): ms for n, ms in sorted(self.tree.items())},
                 "expand": {k if k == "chain" else f"{k[0]},{k[1]}": ms for k, ms in self.expand.items()}}
@@ -118,7 +139,7 @@ class BucketCosts:
             raise ValueError("expand keys are 'M,K' or 'chain'")
         return cls(ar=ms(d["ar"]), draft=ms(d["draft"]), other=ms(d["other"]), expand=expand,
                    verify={int(n): ms(v) for n, v in d["verify"].items()},
-                   tree={int(n): ms(v) for n, v in d["tree"].items()})
+                   tree={int(n): ms(v) for n, v in d["tree"].items()}, block=int(d.get("block", 0)))
 
 
 @dataclass
@@ -168,6 +189,7 @@ class Grid:
     expand_m (1, 4, 16) at K = expand_k (16): the expansion's cost is (B-1) x M rows through the LM
         head; K only sizes a top-K, so one (the largest, an upper bound) is measured.
     reference: the setting of the full round timed for the residual `other`.
+    block_size: the drafter's block (the expansion's rows scale with the positions a tree can reach).
     """
 
     verify_nodes: tuple[int, ...] = (4, 16, 64)
@@ -177,6 +199,7 @@ class Grid:
     chain: bool = True
     tree: bool = True
     reference: Setting = Setting("treeflash", 16, 4, 16)
+    block_size: int = 0
 
 
 def default_grid(modes: tuple[str, ...], block_size: int, max_tree_size: int = 64) -> Grid:
@@ -197,7 +220,8 @@ def default_grid(modes: tuple[str, ...], block_size: int, max_tree_size: int = 6
     return Grid(verify_nodes=verify if (tree or "chain" in modes) else (),
                 tree_sizes=clip(Grid.tree_sizes) if tree else (),
                 expand_m=Grid.expand_m if "treeflash" in modes else (1,) if tree else (),
-                expand_k=Grid.expand_k if tree else (), chain="chain" in modes, tree=tree, reference=ref)
+                expand_k=Grid.expand_k if tree else (), chain="chain" in modes, tree=tree, reference=ref,
+                block_size=block_size)
 
 
 def _steps(grid: Grid) -> list[tuple[str, str, dict]]:
@@ -248,7 +272,7 @@ def measure(probe: Probe, buckets: list[int], grid: Grid, log: Callable[[str], N
                 got["tree"][params["tree_size"]] = ms
             else:
                 scalars[part] = ms
-        costs = BucketCosts(ar=scalars["ar"], draft=scalars.get("draft", 0.0), **got)
+        costs = BucketCosts(ar=scalars["ar"], draft=scalars.get("draft", 0.0), block=grid.block_size, **got)
         if "round" in scalars:
             ref_parts = sum(costs.parts(grid.reference).values()) - costs.other
             costs.other = max(0.0, scalars["round"] - ref_parts)

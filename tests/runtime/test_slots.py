@@ -355,3 +355,37 @@ def test_random_weights_bench_times_rounds_by_batch_size():
         (1, "ar", 1, 1), (3, "ar", 1, 3), (1, "treeflash", 8, 8), (3, "treeflash", 8, 24)]
     assert all(r["ms_per_round"] > 0 for r in rep["batch_rows"]) and not rep["failed"]
     assert "request slots (in-flight batching)" in format_random_report(rep)
+
+
+@pytest.mark.parametrize("mode", ["treeflash", "marginal"])
+def test_the_expansion_stops_at_the_deepest_node_a_tree_can_hold(load, mode):
+    """A tree of n nodes (the root among them) is at most n - 1 deep, so a round expands only the
+    drafter's first n block positions (a reported larger tree: as many as it holds): the trees built
+    from those tables equal the trees built from the whole block's, node for node, in both slots."""
+    from treeflash_runtime.backends.torch_backend import TorchRunner, _fields, expansion_depth
+
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, max_batch=2, capacity=96,
+                         tree=TreeConfig(mode=mode, tree_size=16, top_m=3, top_k=3))
+    B = runner.block_size
+    with torch.inference_mode():
+        for slot, ids in enumerate(prompts_of(pair)[:2]):
+            runner.admit(slot, SamplingConfig())
+            runner.prefill_many([(slot, torch.tensor(ids), True)])
+        z = runner.draft(2, 0)
+        root = runner.state.root[:2]
+        checked = 0
+        for n in (2, 3, B // 2, B - 1):
+            for reported in (0, min(2 * n, B)):
+                tree = TreeConfig(mode=mode, tree_size=n, top_m=3, top_k=3)
+                depth = expansion_depth(tree, reported, B)
+                assert depth == min(B, max(n, reported))
+                full = runner._batched_tables(2, root, z, tree)
+                cut = runner._batched_tables(2, root, z[:, :depth], tree)
+                assert cut.tokens.shape[1] == depth - 1  # one row per depth
+                for size in {n, max(n, reported)}:
+                    want, got = _fields(runner.build_tree(full, root, size)), _fields(runner.build_tree(cut, root, size))
+                    for a, b in zip(want, got):
+                        assert torch.equal(a, b), (n, reported, size)
+                    checked += 1
+        assert checked >= 8

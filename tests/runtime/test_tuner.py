@@ -835,3 +835,24 @@ def test_a_tree_seen_whole_in_one_hard_old_round_is_not_scaled_above_what_it_gai
         predicted.append(model.expected(Setting("treeflash", 32, 1, 8), None, B))
     assert max(predicted) <= 1.05 * truth
     assert np.mean(predicted) > 0.75 * truth  # not a prediction pushed down to nothing
+
+
+def test_a_small_trees_expansion_is_predicted_at_its_share_of_the_block():
+    """A tree of N < B nodes expands only its first N block positions: of TreeFlash's LM head rows
+    (B + (B - 1) x M) it skips B - N + (B - N) x M, of the marginal tree's B - N, each at the cost of a
+    row (the slope between the measured M = 1 and M = 4: 10 ms more for 15 x 3 rows); larger trees,
+    the chain and a cost file saved without the block size (0) keep the whole block's figure."""
+    costs = BucketCosts(ar=10, draft=1, verify={4: 12, 64: 30}, expand={(1, 16): 10.0, (4, 16): 20.0, "chain": 2.0},
+                        tree={4: 0.1, 64: 1.0}, other=0.5, block=16)
+    row = 10.0 / 45
+    assert costs.row_ms() == pytest.approx(row)
+    assert costs.parts(Setting("treeflash", 8, 1, 16))["expand"] == pytest.approx(10.0 - row * (8 + 8))
+    assert costs.parts(Setting("treeflash", 8, 4, 16))["expand"] == pytest.approx(20.0 - row * (8 + 8 * 4))
+    assert costs.parts(Setting("marginal", 4, 1, 16))["expand"] == pytest.approx(10.0 - row * 12)
+    assert costs.parts(Setting("treeflash", 32, 1, 16))["expand"] == pytest.approx(10.0)
+    assert costs.parts(Setting("chain", 16, 1, 1))["expand"] == pytest.approx(2.0)
+    again = BucketCosts.from_json(json.loads(json.dumps(costs.to_json())))
+    assert again.block == 16 and again.parts(Setting("marginal", 4, 1, 16)) == costs.parts(Setting("marginal", 4, 1, 16))
+    old = costs.to_json()
+    del old["block"]
+    assert BucketCosts.from_json(old).parts(Setting("treeflash", 8, 1, 16))["expand"] == pytest.approx(10.0)
