@@ -78,6 +78,8 @@ class Engine:
                 continue
             runner.admit(request.slot, request.sampling)
             self._emitters[id(request)] = Emitter(request.sampling, request.on_tokens)
+            if self.tuner is not None:
+                self.tuner.admitted(id(request), alone=sched.occupied == 1)
         for request in [r for r in sched.slots if r.wants_cancel()]:
             self._retire(request, CANCELLED, "cancelled")
         chunks = sched.prefills()
@@ -96,7 +98,7 @@ class Engine:
         if running:
             if self.tuner is not None:
                 b = runner.bucket_for(sched.occupied)
-                runner.set_bucket_tree(b, self.tuner.next_tree(b))
+                runner.set_bucket_tree(b, self.tuner.next_tree(b, [id(r) for r in running]))
             t_round = time.perf_counter()
             gained = runner.step(sched.occupied)
             if self.tuner is not None:
@@ -105,7 +107,7 @@ class Engine:
             for request in running:
                 request.accept_lengths.append(len(gained[request.slot]))
                 if self.tuner is not None:
-                    self.tuner.after_round(runner, request.slot, len(gained[request.slot]))
+                    self.tuner.after_round(runner, request.slot, len(gained[request.slot]), request=id(request))
                 self._emit(request, gained[request.slot])
         for request in sorted((r for r in sched.slots if r.stop_reason), key=lambda r: -r.slot):
             self._retire(request, FINISHED, request.stop_reason)
@@ -122,6 +124,8 @@ class Engine:
         slot, occupied = self.scheduler.retire(request)
         self.runner.release(slot, occupied)
         self._emitters.pop(id(request), None)
+        if self.tuner is not None:
+            self.tuner.retired(id(request))
         self._finish(request, state, reason)
 
     def _finish(self, request: Request, state: str, reason: str) -> None:

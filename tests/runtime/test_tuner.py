@@ -778,6 +778,50 @@ def test_each_request_reports_its_first_tree_rounds_even_after_the_deployment_ha
         assert 0 < sum(later) <= len(later) // OBSERVE_EVERY + 3  # every 4th, and the family probes' rounds
 
 
+def test_an_engine_request_running_alone_decides_on_its_own_counts():
+    """Request slots: a request admitted while no other runs restarts the averages (a new request, as
+    one sequence's); while it runs alone the choice reads its own stream and its first REQUEST_OBSERVE
+    tree rounds report their nodes; its rounds feed its stream; with two running, the choice reads the
+    deployment's counts; a retired request's stream is gone."""
+    from types import SimpleNamespace
+
+    from treeflash_runtime.tuner.online import OBSERVE_ALL, REQUEST_OBSERVE, TreeTuner
+
+    tree = Setting("treeflash", 4, 1, 16)
+    cost = CostModel({b: BucketCosts(ar=10, draft=0, verify={4: 10}, expand={(1, 16): 0}, tree={4: 0}, other=0)
+                      for b in (1, 2)})
+    auto = AutoTuner(cost, AcceptanceModel(), [tree], B, explore_every=0, seed_rounds=0, confirm_every=0, plain=False)
+    auto.acceptance = FixedAcceptance(lambda s: 3.0)
+    auto.acceptance.rounds, auto.acceptance.support = OBSERVE_ALL, (lambda s: 100.0)
+    restarts, seen = [], []
+    auto.acceptance.restart_averages = lambda: restarts.append(1)
+    auto.acceptance.observe = lambda obs, stream=None: seen.append(stream)
+    asked = []
+    setting = auto.setting
+    auto.setting = lambda bucket=1, stream=None: asked.append(stream) or setting(bucket, stream)
+    tuner = TreeTuner(auto)
+    raw = {"scores": [-0.1, -0.5, -1.0], "m_rank": [0, 0, 0], "k_rank": [0, 1, 0], "accepted": [1, 0, 0], "verified": 3}
+    runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None, observation=lambda slot, cfg: raw)
+    tuner.serve(runner)
+    tuner.admitted("a", alone=True)
+    assert restarts == [1]
+    own = tuner._requests["a"][0]
+    reported = []
+    for _ in range(REQUEST_OBSERVE + 8):
+        tuner.next_tree(1, ["a"])
+        reported.append(runner.observing)
+        tuner.after_round(runner, 0, 2, request="a")
+    assert all(s is own for s in asked) and all(s is own for s in seen)
+    assert all(reported[:REQUEST_OBSERVE]) and not all(reported[REQUEST_OBSERVE:])
+    tuner.admitted("b", alone=False)
+    assert restarts == [1]  # joining a running request is not a new one
+    asked.clear()
+    tuner.next_tree(2, ["a", "b"])
+    assert asked == [None]
+    tuner.retired("a")
+    assert "a" not in tuner._requests and "b" in tuner._requests
+
+
 def test_the_prior_follows_the_drafters_measured_overconfidence():
     """A drafter right half as often as its scores claim (truth exp(score) / 2 below certainty): after
     labelled rounds the prior of bins no round filled is scaled by about a half, so a bin seen only
