@@ -541,11 +541,10 @@ class TorchRunner(Runner):
         the drafter's pending context enters its cache on the way, as the next tree round would do
         it; in a tree round (of another family) ``z``, the round's own drafter pass, is reused and
         the round reports the probe's nodes instead of its own."""
-        root = self.state.root[:b]
+        root, n = self.state.root[:b], observed_size(tree)
         z = self.draft(b, bound) if z is None else z
-        tables = self._batched_tables(b, root, z[:, : expansion_depth(tree, observed_size(tree), self.block_size)],
-                                      tree)
-        seen = Tree(*_fields(self.build_tree(tables, root, observed_size(tree))))
+        tables = self._batched_tables(b, root, z[:, : expansion_depth(tree, n, self.block_size)], tree)
+        seen = Tree(*_fields(self.build_tree(tables, root, n)))
         self._report_nodes(b, tables, seen)
         self._probe_nodes = (seen.tokens, seen.parents)  # for labels in hindsight (probe_observation)
 

@@ -297,7 +297,11 @@ class TreeTuner:
             self.log(self._note)
         self._note = None
         alone = self._requests.get(requests[0]) if requests is not None and len(requests) == 1 else None
-        s = self.auto.setting(bucket, self.stream if requests is None else alone and alone[0])
+        if requests is None:
+            stream = self.stream
+        else:  # the engine's: a request running alone decides on its own counts
+            stream = alone[0] if alone is not None else None
+        s = self.auto.setting(bucket, stream)
         self.current = s
         self._probe = None
         if self._runner is not None and not self.captures:
