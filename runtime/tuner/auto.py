@@ -26,7 +26,12 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
   what is not being run stay current; the interval doubles (up to `max_explore_every`) while
   refreshing changes nothing, and a refresh waits until its round costs at most `explore_share`
   (5%) of the time spent since the last one (a tree round of 8 slots may cost several plain ones),
-  and it is skipped when its setting is predicted below `refresh_floor` (75%) of the choice's rate.
+  and it is skipped when its setting is predicted below `refresh_floor` (75%) of the choice's rate
+  (which doubles the interval too, as a refresh that changed nothing would).
+- choosing seldom: the choice is made again only when a round has been observed, the current
+  setting changed, the request changed or the cost corrections moved (5%); while plain decoding
+  wins by far (its best tree predicted below `wide`, 75%, of its rate, corrections included) not
+  for the corrections either, nor for a request that has not run a tree round yet.
 - margin: a tree is chosen over plain decoding only when predicted `margin` faster (5%), and by
   more while few rounds support a setting's prediction (`required_margin`): the predictions err,
   most of all early, and the promise is never to be slower than plain decoding.
@@ -114,12 +119,12 @@ class AutoTuner:
                  hysteresis: float = 0.03, explore_every: int = 32, plain: bool = True, settle_after: int = 16,
                  max_explore_every: int = 512, margin: float = 0.05, doubt: float = 0.2,
                  explore_share: float = 0.05, confirm_every: int = 4, seed_rounds: int = 3,
-                 refresh_floor: float = 0.75):
+                 refresh_floor: float = 0.75, wide: float = 0.75):
         self.cost, self.acceptance, self.block_size = Realised(cost), acceptance, block_size
         self.candidates = list(candidates)
         self.hysteresis, self.plain, self.margin, self.doubt = hysteresis, plain, margin, doubt
         self.explore_share, self.confirm_every, self.seed_rounds = explore_share, confirm_every, seed_rounds
-        self.refresh_floor = refresh_floor
+        self.refresh_floor, self.wide = refresh_floor, wide
         self._seeds: Counter = Counter()  # family -> seed rounds run
         self._seeded: set[str] = set()  # the families seeded enough
         self._grown: set[Setting] = set()  # the settings growth has run
@@ -139,10 +144,11 @@ class AutoTuner:
         self._memo: dict[int, tuple] = {}  # bucket -> (what the choice depended on, the choice)
         self._informed: set[str] = set()  # the families some round has informed
         self.exploring = False  # whether the last setting() was an exploration round
+        self._families = [m for m in FAMILIES if any(s.mode == m for s in self.candidates)]
 
     # ------------------------------------------------------------------ what to explore
     def families(self) -> list[str]:
-        return [m for m in FAMILIES if any(s.mode == m for s in self.candidates)]
+        return self._families
 
     def prior_tokens(self, s: Setting) -> float:
         if s.mode == "ar":
@@ -227,11 +233,43 @@ class AutoTuner:
         tree's rate discounted by `required_margin`)."""
         current = self.current.get(bucket)
         key = (self.acceptance.rounds, current, id(stream), self.cost.version(bucket))
-        if self._memo.get(bucket, (None,))[0] == key:  # nothing observed since (plain rounds teach nothing)
-            return self._memo[bucket][1]
+        memo = self._memo.get(bucket)
+        if memo is not None and (memo[0] == key or self._still_wide(bucket, memo, key, stream)):
+            return memo[1]  # nothing observed since (plain rounds teach nothing)
         choice = self._choose_now(bucket, stream, current)
-        self._memo[bucket] = (key, choice)
+        self._memo[bucket] = (key, choice, self._corrections(bucket))
         return choice
+
+    def _corrections(self, bucket: int) -> tuple[float, float]:
+        """The realised cost corrections (plain, trees) that scale this bucket's predicted rounds."""
+        ratio = self.cost.ratio
+        return ratio.get((bucket, True), 1.0), ratio.get((bucket, False), 1.0)
+
+    def _still_wide(self, bucket: int, memo: tuple, key: tuple, stream: RequestStream | None) -> bool:
+        """Whether a plain decoding choice made under other cost corrections (or for another request
+        that has run no tree round yet) still stands, because plain decoding won by far: its best tree
+        was predicted below `wide` of plain decoding's rate, and stays so once the corrections that
+        moved since are applied (they scale all tree rounds of the bucket alike, and plain decoding's,
+        so the best tree is the same one). On a small model whose round is a millisecond, choosing
+        again each time a correction moves cost more than the tuner's whole budget."""
+        (rounds, current, _, _), choice, then = memo
+        return (rounds == key[0] and current == key[1] and not (stream is not None and stream.rounds)
+                and self._wide(bucket, choice, then))
+
+    def _wide(self, bucket: int, choice: Choice, then: tuple[float, float]) -> bool:
+        """Whether this plain decoding choice, made under the corrections `then`, wins by far now: its
+        best tree predicted below `wide` of plain decoding's rate with today's corrections."""
+        if (choice is None or choice.setting != PLAIN or choice.runner_up_tokens_per_s is None
+                or not choice.plain_tokens_per_s):
+            return False
+        (plain_then, tree_then), (plain_now, tree_now) = then, self._corrections(bucket)
+        moved = (tree_then / tree_now) * (plain_now / plain_then)
+        return choice.runner_up_tokens_per_s * moved < self.wide * choice.plain_tokens_per_s
+
+    def plain_by_far(self, bucket: int) -> bool:
+        """Whether the bucket's latest choice is plain decoding by far (see _wide)."""
+        memo = self._memo.get(bucket)
+        return memo is not None and self._wide(bucket, memo[1], memo[2])
 
     def _choose_now(self, bucket: int, stream: RequestStream | None, current: Setting | None) -> Choice | None:
         try:
@@ -316,12 +354,17 @@ class AutoTuner:
             # of the chosen ones, so it runs once it is at most `explore_share` of the time spent since
             # the last one.
             if bucket not in self._due:
-                due = self._refresh_setting(bucket, choice.setting)
+                # While plain decoding wins by far every tree is predicted below the floor: no search.
+                far = self.wide <= self.refresh_floor and self.plain_by_far(bucket)
+                due = None if far else self._refresh_setting(bucket, choice.setting)
                 rate = None if due is None else self.predicted_rate(due, bucket)
                 # Not for a setting predicted far slower than the choice: its round would cost much
                 # and could hardly change the choice (score probes follow it instead, where they run).
-                self._due[bucket] = due if rate is not None and rate >= self.refresh_floor * choice.tokens_per_s \
-                    else None
+                if rate is None or rate < self.refresh_floor * choice.tokens_per_s:
+                    # Skipped, as a refresh that changed nothing: the next one comes later.
+                    due = None
+                    self._gap[bucket] = min(2 * self._gap.get(bucket, self.explore_every), self.max_explore_every)
+                self._due[bucket] = due
             refresh = self._due[bucket]
             spent = self._since[bucket] * self.cost.round_ms(choice.setting, bucket)
             if refresh is not None and self.cost.round_ms(refresh, bucket) > self.explore_share * spent:

@@ -27,7 +27,7 @@ from .acceptance import AcceptanceModel, Observation, RequestStream
 from .auto import AutoTuner
 from .cache import AcceptanceStore, CostCache, CostKey, pair_fingerprint
 from .cost import CostModel, default_grid, measure
-from .setting import FIELDS, Setting, candidate_settings
+from .setting import FIELDS, PLAIN, Setting, candidate_settings
 
 MAX_TREE = 64  # the largest tree the tuner builds (the runner reports rounds up to this size)
 PROBE_PROMPT = 64  # committed tokens while the parts are timed
@@ -58,6 +58,10 @@ REQUEST_OBSERVE = 16
 # on which they did not.
 PROBE_EVERY = 16
 MAX_PROBE_GAP = 128
+# Request slots while plain decoding wins by far (see TreeTuner._context): the choice is asked again
+# after HOLD rounds, or at once when a request arrives or the bucket changes. On the tiny pair, whose
+# step takes a millisecond, asking each round cost about 2% of it.
+HOLD = 16
 
 
 def runner_modes(runner) -> tuple[str, ...]:
@@ -156,7 +160,8 @@ class TreeTuner:
         # release): a request unlike the traffic so far (code after chat) corrects the calibration
         # within its first rounds instead of after hundreds.
         self.stream: RequestStream | None = None
-        # The engine's requests (see admitted): key -> [its own RequestStream, its tree rounds run alone].
+        # The engine's requests (see admitted): key -> [its own RequestStream, its tree rounds run alone,
+        # whether it ran plain steps that skipped the drafter's context (see _context)].
         # Request slots share a bucket's choice, so only a request that runs alone decides on its own
         # counts; the others feed theirs and the deployment's.
         self._requests: dict = {}
@@ -169,6 +174,10 @@ class TreeTuner:
         self._plain_probes = 0
         self._probe: Setting | None = None  # the tree the runner scores after this plain step
         self._waiting: list = []  # score probes waiting for the tokens that label them: [setting, raw, tokens]
+        self.without_context = 0  # engine rounds of plain decoding that skipped the drafter's context
+        self.held_for_context = 0  # engine rounds that ran plain decoding, not the tree chosen (see _context)
+        self._hold = (None, 0)  # (bucket, engine rounds left) of plain decoding by far without asking again
+        self._held_round = False  # whether the last round was one of them
 
     @classmethod
     def for_runner(cls, runner, fixed: dict, *, sources, dtype: str, retune: bool = False, log=None,
@@ -259,7 +268,8 @@ class TreeTuner:
         report their nodes. A request admitted while no other runs is a new request as one sequence's
         is: the averages restart. Without this the engine, one request at a time, ran TreeFlash at 1.84
         tokens a round on requests where every fixed tree lost (0.89x plain decoding)."""
-        self._requests[key] = [RequestStream(), 0]
+        self._requests[key] = [RequestStream(), 0, False]  # stream, tree rounds alone, without context
+        self._hold = (None, 0)
         if alone:
             self.auto.acceptance.restart_averages()
             self.auto.new_request()
@@ -271,7 +281,7 @@ class TreeTuner:
     def serve(self, runner) -> None:
         """Before a generation or an engine admits anything: the cost model is measured now (the probe
         takes slots over, so never while requests hold them), then the runner's rounds report their
-        nodes and plain decoding rounds keep the drafter's context, until `release`."""
+        nodes and plain decoding rounds keep the drafter's context (but see _context), until `release`."""
         self.auto.cost.buckets  # noqa: B018 (measures or reads the cache now)
         runner.observing = runner.keep_context = True
         self._runner = runner
@@ -279,6 +289,7 @@ class TreeTuner:
         self._probe_rounds = {"plain": 0, "family": 0}
         self._probe_next = {"plain": (2, 2), "family": (2, 2)}
         self._plain_probes = 0
+        self._hold = (None, 0)
 
     def release(self, runner) -> None:
         """The runner's extra work for the tuner off again."""
@@ -289,6 +300,7 @@ class TreeTuner:
         self._requests = {}
         self._probe = None
         self._waiting = []
+        self._hold = (None, 0)
 
     def next_tree(self, bucket: int = 1, requests: list | None = None) -> TreeConfig:
         """The tree of the next round at this bucket; requests: the engine's running requests' keys
@@ -296,12 +308,21 @@ class TreeTuner:
         if self._note and self.log:  # said at first use, with the cost model's lines
             self.log(self._note)
         self._note = None
+        held, left = self._hold
+        self._held_round = bool(left) and held == bucket
+        if self._held_round:  # plain decoding by far (see _context): not asked again yet
+            self._hold = (bucket, left - 1)
+            self.without_context += 1
+            self.used[PLAIN] += 1
+            return self._config(PLAIN)
         alone = self._requests.get(requests[0]) if requests is not None and len(requests) == 1 else None
         if requests is None:
             stream = self.stream
         else:  # the engine's: a request running alone decides on its own counts
             stream = alone[0] if alone is not None else None
         s = self.auto.setting(bucket, stream)
+        if requests is not None and self._runner is not None:
+            s = self._context(s, bucket, requests)
         self.current = s
         self._probe = None
         if self._runner is not None and not self.captures:
@@ -321,6 +342,29 @@ class TreeTuner:
             self._runner.probe_tree = None if self._probe is None else self._config(self._probe)
         self.used[s] += 1
         return self._config(s)
+
+    def _context(self, s: Setting, bucket: int, requests: list) -> Setting:
+        """Request slots: while plain decoding wins by far at this bucket (AutoTuner.plain_by_far),
+        plain steps skip the drafter's context (on a model whose step is a millisecond, keeping it
+        cost 2-3% of the step; on CUDA it is a drafter pass a step), and the requests that ran them
+        are marked: a tree round drafts from that context, so while a marked request runs the bucket
+        decodes plainly (exact either way) until it leaves. Nothing is learnt meanwhile, since the
+        choice while plain decoding wins by far runs no tree round (refreshes below `refresh_floor`
+        are skipped, confirming rounds need a tree predicted faster); so the next HOLD - 1 rounds of
+        the bucket run plain decoding without asking (see next_tree). One sequence keeps its
+        context: its score probes draft from it."""
+        entries = [e for e in (self._requests.get(k) for k in requests) if e is not None]
+        skip = s == PLAIN and self.auto.plain_by_far(bucket)
+        self._runner.keep_context = not skip
+        if skip:
+            self.without_context += 1
+            for e in entries:
+                e[2] = True
+            self._hold = (bucket, HOLD - 1)
+        elif s != PLAIN and any(e[2] for e in entries):
+            self.held_for_context += 1
+            return PLAIN
+        return s
 
     def _probe_due(self, s: Setting, bucket: int) -> Setting | None:
         """The tree to score-probe in this round of the choice s, if one is due: while plain decoding
@@ -362,7 +406,7 @@ class TreeTuner:
         """The wall-clock time of the round that just ran (corrects the cost model's predictions). With
         CUDA graphs the first round of each setting and bucket is left out: it captures the graph; a
         round that also ran a score probe is left out too."""
-        if self._probe is not None:  # the probe's work is not the setting's
+        if self._probe is not None or self._held_round:  # the probe's work is not the setting's; held: no need
             return
         key = (bucket, self.current)
         if self.current is not None and (key in self._timed or not self.captures):
@@ -417,6 +461,8 @@ class TreeTuner:
                                             if s in self.tokens}
         rep["cost_ms"] = {str(b): c.to_json() for b, c in self.auto.cost.buckets.items()}
         rep["resumed_acceptance"] = self.resumed
+        rep["plain_rounds_without_context"] = self.without_context
+        rep["tree_rounds_held_for_context"] = self.held_for_context
         return rep
 
 

@@ -900,3 +900,40 @@ def test_a_small_trees_expansion_is_predicted_at_its_share_of_the_block():
     old = costs.to_json()
     del old["block"]
     assert BucketCosts.from_json(old).parts(Setting("treeflash", 8, 1, 16))["expand"] == pytest.approx(10.0)
+
+
+def test_a_plain_choice_by_far_is_not_made_again_when_only_the_cost_corrections_move():
+    """The choice is made again when the cost corrections move 5%, except while plain decoding wins by
+    far (its best tree below `wide` of its rate): then the corrections are applied to the old figures
+    instead, and only a move that could bring the tree near plain decoding's rate makes it again."""
+    tree = Setting("treeflash", 4, 1, 16)
+    cost = CostModel({1: BucketCosts(ar=10, draft=10, verify={4: 10}, expand={(1, 16): 0}, tree={4: 0}, other=0)})
+    made = []
+
+    def tuner_for(tokens):
+        auto = AutoTuner(cost, AcceptanceModel(), [tree], B, explore_every=0, seed_rounds=0, confirm_every=0)
+        auto.acceptance = FixedAcceptance(lambda s: tokens)
+        auto.acceptance.rounds, auto.acceptance.support = 1, (lambda s: 100.0)
+        choose_now = auto._choose_now
+        auto._choose_now = lambda *a: made.append(1) or choose_now(*a)
+        return auto
+
+    far = tuner_for(1.2)  # the tree at 1.2 / 20 ms against 1 / 10 ms: 60% of plain decoding's rate
+    assert far.setting() == PLAIN and far.setting() == PLAIN and far.plain_by_far(1)
+    made.clear()  # the first two choices: from no current setting, then from plain decoding
+    for ms in (9.0, 8.0, 7.0, 6.0):  # plain steps turn out faster, the correction moving 5% and more each time
+        for _ in range(30):
+            far.observe_time(PLAIN, 1, ms)
+        assert far.setting() == PLAIN and far.plain_by_far(1)
+    assert not made
+    for _ in range(60):  # then twice as slow as predicted: the tree, at 60 tokens/s against 50, may win
+        far.observe_time(PLAIN, 1, 20.0)
+    assert far.setting() == tree and len(made) == 1 and not far.plain_by_far(1)
+    near = tuner_for(1.6)  # 80% of plain decoding's rate: not by far, so each move is a new choice
+    assert near.setting() == PLAIN and near.setting() == PLAIN and not near.plain_by_far(1)
+    made.clear()
+    for ms in (11.0, 12.0, 13.0):
+        for _ in range(30):
+            near.observe_time(PLAIN, 1, ms)
+        assert near.setting() == PLAIN
+    assert len(made) == 3

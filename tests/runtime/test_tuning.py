@@ -150,6 +150,57 @@ def test_the_engine_tunes_per_bucket_and_stays_exact(load, pair_dirs, tmp_path, 
     assert (tmp_path / "acceptance").is_dir() and list((tmp_path / "acceptance").iterdir())  # what it learnt is kept
 
 
+def test_plain_decoding_by_far_skips_the_drafters_context_until_those_requests_leave(load, pair_dirs, tmp_path):
+    """Request slots, trees dear (each part of a round as dear as half a plain step): after the seed
+    rounds plain decoding wins by far, so its steps skip the drafter's context and the tuner is asked
+    once in HOLD rounds. When trees turn cheap, the requests that ran without context still decode
+    plainly (their drafter context has gaps) until they leave; a request that arrived later then runs
+    trees. Every request equals its own greedy decoding."""
+    from treeflash_runtime.serving.engine import Engine, Request
+    from treeflash_runtime.tuner.online import HOLD
+
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, max_batch=2, capacity=128,
+                         tree=TreeConfig(mode="treeflash", tree_size=16, top_m=4, top_k=8))
+    dear = CostModel({b: costs(ar=10.0, tree_part=5.0).buckets[1] for b in runner.buckets})
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, dear)
+    engine = Engine(runner, prefill_chunk=8, tuner=tuner)
+    asked, rounds = [], []
+    next_tree, setting = tuner.next_tree, tuner.auto.setting
+    tuner.auto.setting = lambda *a, **k: asked.append(1) or setting(*a, **k)
+
+    def logged(bucket=1, requests=None):
+        tree = next_tree(bucket, requests)
+        rounds.append((set(requests or ()), tree.mode, runner.keep_context))
+        return tree
+
+    tuner.next_tree = logged
+    prompts = [pair.tokenizer(t)["input_ids"] for t in PROMPTS[:2] + ["Once upon a time"]]
+    first = [Request(prompts[0], SamplingConfig(max_new_tokens=40)), Request(prompts[1], SamplingConfig(max_new_tokens=48))]
+    for r in first:
+        engine.submit(r)
+    while len(rounds) < 2 * HOLD + 4:
+        assert engine.step() and not any(r.done for r in first)
+    early = len(rounds)
+    skipped = [r for r in rounds if not r[2]]
+    assert skipped and all(mode == "ar" for _, mode, _ in skipped), rounds
+    assert len(asked) < early - HOLD // 2  # held rounds are not asked
+    tuner.auto.cost.model = CostModel({b: costs(ar=10.0, tree_part=0.5).buckets[1] for b in runner.buckets})
+    tuner.auto._memo.clear()
+    later = Request(prompts[2], SamplingConfig(max_new_tokens=40))
+    engine.submit(later)
+    engine.drain(first + [later])
+    marked = {id(r) for r in first}
+    assert all(mode == "ar" for keys, mode, _ in rounds[early:] if keys & marked)
+    assert tuner.held_for_context > 0
+    assert any(mode != "ar" for keys, mode, _ in rounds[early:] if keys == {id(later)})
+    for r, ids in zip(first + [later], prompts):
+        assert r.tokens == hf_greedy(pair.verifier, ids, r.sampling.max_new_tokens)
+    engine.close()
+    report = tuner.report()
+    assert report["plain_rounds_without_context"] >= len(skipped) and report["tree_rounds_held_for_context"] > 0
+
+
 def test_defaults_are_auto_and_a_second_process_starts_calibrated(pair_dirs, tmp_path, monkeypatch):
     """treeflash-run with no tree flag tunes (mode auto in the JSON); the next run reads the acceptance
     model the first one saved; --retune starts afresh; explicit values are used as given."""
