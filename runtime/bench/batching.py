@@ -56,43 +56,58 @@ def batching_row(requests, wall_s: float, concurrency: int, reference) -> dict:
 
 
 def run_batching_bench(sess, prompts: list[list[int]], concurrency: list[int], max_new_tokens: int,
-                       stop_token_ids=(), variants: list[tuple] | None = None) -> dict:
+                       stop_token_ids=(), variants: list[tuple] | None = None, repeat: int = 1) -> dict:
     """Serves the prompts through the engine at each concurrency, for each variant in turn on one
     runner: (label, deployment tree, tree size by batch, tuner or None); default: the runner's own tree.
-    Outputs are compared with the first variant's first row (greedy: they must be identical)."""
+    Outputs are compared with the first variant's first row (greedy: they must be identical).
+    repeat > 1: every variant and concurrency runs that many times, the variants taking turns (a
+    machine that slows down or speeds up during the run then touches them all alike), and each row
+    is the run with the median tokens/s, with every run's tokens/s beside it."""
     from ..serving.engine import Engine
 
     if not concurrency or min(concurrency) < 1:
         raise TreeFlashError("--concurrency takes batch sizes >= 1, e.g. 1,4,8")
+    if repeat < 1:
+        raise TreeFlashError("--repeat must be >= 1")
     runner = sess.runner
     if variants is None:
         variants = [(runner.tree.mode, None, None, sess.tuner)]
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
-    rows, reference = [], None
-    for label, tree, table, tuner in variants:
-        if tree is not None:
-            runner.configure(tree, table)
-        engine = Engine(runner, tuner=tuner)
-        serve_closed_loop(engine, prompts[:1], sampling, 1)  # warm-up (and the tuner's first rounds)
-        engine.close()
-        for c in sorted(set(concurrency)):
-            engine = Engine(runner, max_active=c, tuner=tuner)
-            requests, wall = serve_closed_loop(engine, prompts, sampling, c)
-            engine.close()
-            row = batching_row(requests, wall, c, reference)
-            row["variant"] = label
-            if tuner is not None:
-                row["tuning"] = tuner.report()
-            rows.append(row)
-            if reference is None:
-                reference = [r.tokens for r in requests]
+    runs: dict[tuple[int, int], list[dict]] = {}  # (variant index, concurrency) -> its rows
+    reference = None
+    for turn in range(repeat):
+        for i, (label, tree, table, tuner) in enumerate(variants):
+            if tree is not None:
+                runner.configure(tree, table)
+            if turn == 0:
+                engine = Engine(runner, tuner=tuner)
+                serve_closed_loop(engine, prompts[:1], sampling, 1)  # warm-up (and the tuner's first rounds)
+                engine.close()
+            for c in sorted(set(concurrency)):
+                engine = Engine(runner, max_active=c, tuner=tuner)
+                requests, wall = serve_closed_loop(engine, prompts, sampling, c)
+                engine.close()
+                row = batching_row(requests, wall, c, reference)
+                row["variant"] = label
+                if tuner is not None:
+                    row["tuning"] = tuner.report()
+                runs.setdefault((i, c), []).append(row)
+                if reference is None:
+                    reference = [r.tokens for r in requests]
+    rows = []
+    for done in runs.values():  # in variant, then concurrency order
+        row = sorted(done, key=lambda r: r["tokens_per_s"])[(len(done) - 1) // 2]
+        row["identical_outputs"] = all(r["identical_outputs"] for r in done)
+        if repeat > 1:
+            row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in done]
+        rows.append(row)
     for row in rows:
         first = next(r for r in rows if r["variant"] == row["variant"])
         row["ratio_to_first"] = row["tokens_per_s"] / first["tokens_per_s"]
         plain = next((r for r in rows if r["variant"] == "ar" and r["concurrency"] == row["concurrency"]), None)
         row["ratio_to_ar"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain else None
     return {"rows": rows, "identical_outputs": all(r["identical_outputs"] for r in rows), "requests": len(prompts),
-            "max_new_tokens": max_new_tokens, "variants": [v[0] for v in variants],
+            "max_new_tokens": max_new_tokens, "variants": [v[0] for v in variants], "repeat": repeat,
             "device": str(runner.device), "max_batch": runner.max_batch}
 
 
@@ -117,8 +132,10 @@ def format_batching_report(report: dict) -> str:
             picks = ", ".join(f"{b}: {c['mode']}" + (f" N={c['tree_size']}" if c["mode"] not in ("ar", "chain") else "")
                               for b, c in r["tuning"]["choices"].items())
             lines.append(f"auto at concurrency {r['concurrency']}: last choice per slot bucket {picks}")
+    runs = report.get("repeat", 1)
     lines.append(f"{report['requests']} requests of {report['max_new_tokens']} new tokens on {report['device']}; "
-                 f"outputs identical to the first row: {report['identical_outputs']}")
+                 + (f"each row the median of {runs} runs, the variants taking turns; " if runs > 1 else "")
+                 + f"outputs identical to the first row: {report['identical_outputs']}")
     return "\n".join(lines)
 
 

@@ -100,7 +100,8 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
               help="Generate --max-new-tokens every time; by default a generation ends at the model's end-of-turn "
                    "or EOS token, as treeflash-run's does.")
 @click.option("--max-seq-len", type=int, default=None)
-@click.option("--repeat", type=int, default=1, help="Timed repetitions per prompt (after one warm-up).")
+@click.option("--repeat", type=int, default=1, help="Timed repetitions per prompt (after one warm-up); with --concurrency, runs of each "
+              "variant and concurrency, the variants taking turns, each row showing the median run.")
 @click.option("--device", default="auto")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--server", default=None, metavar="HOST:PORT",
@@ -180,7 +181,7 @@ def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_t
     if concurrency is not None:
         _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, list(prompts) or list(DEFAULT_PROMPTS),
                        max_new_tokens, ignore_eos, max_seq_len, device, concurrency, requests, tree_size_by_batch,
-                       cuda_graphs, as_json, draft_vocab)
+                       cuda_graphs, as_json, draft_vocab, repeat)
         return
     try:
         source = (("heldout", heldout_prompts, prompt_tokens, heldout_domain) if heldout_prompts
@@ -229,7 +230,8 @@ def _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds
 
 
 def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, prompts, max_new_tokens, ignore_eos,
-                   max_seq_len, device, concurrency, requests, tree_size_by_batch, cuda_graphs, as_json, draft_vocab=None):
+                   max_seq_len, device, concurrency, requests, tree_size_by_batch, cuda_graphs, as_json, draft_vocab=None,
+                   repeat=1):
     from ..backends.slots import parse_tree_size_by_batch
     from ..factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
     from .batching import format_batching_report, run_batching_bench
@@ -273,7 +275,7 @@ def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, p
                         variants.append((label, tree, t, None))
         ids = [sess.tokenizer(p)["input_ids"] for p in distinct_prompts(prompts, requests)]
         report = run_batching_bench(sess, ids, levels, max_new_tokens, () if ignore_eos else sess.stop_token_ids,
-                                    variants)
+                                    variants, repeat)
     except (TreeFlashError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -288,6 +288,17 @@ def test_bench_concurrency_rows_report_latency_and_identical_outputs(pair_dirs):
     assert r.exit_code == 0, r.output
     assert [row["variant"] for row in json.loads(r.stdout)["rows"]] == [
         "treeflash 1:8,2:4", "treeflash 1:8,2:4", "treeflash 1:4", "treeflash 1:4", "ar", "ar"]
+    # --repeat: each row is the median of its runs (the variants taking turns), every run listed.
+    r = CliRunner().invoke(main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--concurrency",
+                                  "1,3", "--requests", "3", "--max-new-tokens", "4", "--tree-sizes", "8", "--modes",
+                                  "chain", "--ignore-eos", "--max-seq-len", "64", "--repeat", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["repeat"] == 3 and report["identical_outputs"] is True
+    assert [(row["variant"], row["concurrency"]) for row in report["rows"]] == [
+        ("chain", 1), ("chain", 3), ("ar", 1), ("ar", 3)]
+    for row in report["rows"]:
+        assert len(row["tokens_per_s_runs"]) == 3 and row["tokens_per_s"] == sorted(row["tokens_per_s_runs"])[1]
 
 
 # ---------------------------------------------------------------- what CUDA captures, on the CPU
