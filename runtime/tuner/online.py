@@ -59,8 +59,8 @@ REQUEST_OBSERVE = 16
 PROBE_EVERY = 16
 MAX_PROBE_GAP = 128
 # Request slots while plain decoding wins by far (see TreeTuner._context): the choice is asked again
-# after HOLD rounds, or at once when a request arrives or the bucket changes. On the tiny pair, whose
-# step takes a millisecond, asking each round cost about 2% of it.
+# after HOLD rounds, or at once when the bucket changes or a request arrives while none runs. On the
+# tiny pair, whose step takes a millisecond, asking each round cost about 2% of it.
 HOLD = 16
 
 
@@ -178,6 +178,7 @@ class TreeTuner:
         self.held_for_context = 0  # engine rounds that ran plain decoding, not the tree chosen (see _context)
         self._hold = (None, 0)  # (bucket, engine rounds left) of plain decoding by far without asking again
         self._held_round = False  # whether the last round was one of them
+        self._joined = False  # whether a request was admitted during the hold
 
     @classmethod
     def for_runner(cls, runner, fixed: dict, *, sources, dtype: str, retune: bool = False, log=None,
@@ -269,7 +270,10 @@ class TreeTuner:
         is: the averages restart. Without this the engine, one request at a time, ran TreeFlash at 1.84
         tokens a round on requests where every fixed tree lost (0.89x plain decoding)."""
         self._requests[key] = [RequestStream(), 0, False]  # stream, tree rounds alone, without context
-        self._hold = (None, 0)
+        if alone:
+            self._hold = (None, 0)
+        elif self._hold[1]:
+            self._joined = True  # marked by its first held round (see next_tree)
         if alone:
             self.auto.acceptance.restart_averages()
             self.auto.new_request()
@@ -289,7 +293,7 @@ class TreeTuner:
         self._probe_rounds = {"plain": 0, "family": 0}
         self._probe_next = {"plain": (2, 2), "family": (2, 2)}
         self._plain_probes = 0
-        self._hold = (None, 0)
+        self._hold, self._joined = (None, 0), False
 
     def release(self, runner) -> None:
         """The runner's extra work for the tuner off again."""
@@ -300,7 +304,7 @@ class TreeTuner:
         self._requests = {}
         self._probe = None
         self._waiting = []
-        self._hold = (None, 0)
+        self._hold, self._joined = (None, 0), False
 
     def next_tree(self, bucket: int = 1, requests: list | None = None) -> TreeConfig:
         """The tree of the next round at this bucket; requests: the engine's running requests' keys
@@ -312,6 +316,11 @@ class TreeTuner:
         self._held_round = bool(left) and held == bucket
         if self._held_round:  # plain decoding by far (see _context): not asked again yet
             self._hold = (bucket, left - 1)
+            if self._joined:  # a request joined: it runs without context from now on too
+                self._joined = False
+                for k in requests or ():
+                    if k in self._requests:
+                        self._requests[k][2] = True
             self.without_context += 1
             self.used[PLAIN] += 1
             return self._config(PLAIN)

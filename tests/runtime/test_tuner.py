@@ -937,3 +937,55 @@ def test_a_plain_choice_by_far_is_not_made_again_when_only_the_cost_corrections_
             near.observe_time(PLAIN, 1, ms)
         assert near.setting() == PLAIN
     assert len(made) == 3
+
+
+def test_request_slots_hold_plain_decoding_by_far_and_mark_who_ran_without_context():
+    """Request slots while plain decoding wins by far: the asked round turns the drafter's context off
+    and marks the running requests; the next HOLD - 1 rounds of the bucket are not asked; a request
+    that joins meanwhile is marked by its first held round; another bucket, or a request arriving
+    while none runs, asks at once; a marked request holds a tree choice to plain decoding."""
+    from types import SimpleNamespace
+
+    from treeflash_runtime.tuner.online import HOLD, TreeTuner
+
+    tree = Setting("treeflash", 4, 1, 16)
+    cost = CostModel({b: BucketCosts(ar=10, draft=10, verify={4: 10}, expand={(1, 16): 0}, tree={4: 0}, other=0)
+                      for b in (1, 4)})
+    auto = AutoTuner(cost, AcceptanceModel(), [tree], B, explore_every=0, seed_rounds=0, confirm_every=0)
+    tokens = {"now": 1.2}  # 60% of plain decoding's rate
+    auto.acceptance = FixedAcceptance(lambda s: tokens["now"])
+    auto.acceptance.rounds, auto.acceptance.support = 1, (lambda s: 100.0)
+    auto.acceptance.restart_averages = lambda: None
+    asked = []
+    setting = auto.setting
+    auto.setting = lambda bucket=1, stream=None: asked.append(bucket) or setting(bucket, stream)
+    tuner = TreeTuner(auto)
+    runner = SimpleNamespace(observing=False, keep_context=True, probe_tree=None)
+    tuner.serve(runner)
+    tuner.admitted("a", alone=True)
+    tuner.admitted("b", alone=False)
+    assert tuner.next_tree(4, ["a", "b"]).mode == "ar" and not runner.keep_context
+    assert asked == [4] and tuner._requests["a"][2] and tuner._requests["b"][2]
+    tuner.admitted("c", alone=False)
+    assert not tuner._requests["c"][2]
+    assert tuner.next_tree(4, ["a", "b", "c"]).mode == "ar" and asked == [4] and tuner._requests["c"][2]
+    for _ in range(HOLD - 2):
+        assert tuner.next_tree(4, ["a", "b", "c"]).mode == "ar"
+    assert asked == [4]
+    tuner.next_tree(4, ["a", "b", "c"])
+    assert asked == [4, 4]  # the hold is over
+    tuner.next_tree(1, ["c"])
+    assert asked == [4, 4, 1]  # another bucket asks at once
+    for key in ("a", "b", "c"):
+        tuner.retired(key)
+    tuner.admitted("d", alone=True)  # no one runs: asked at once, and unmarked
+    tuner.next_tree(1, ["d"])
+    assert asked == [4, 4, 1, 1] and tuner._requests["d"][2]
+    tokens["now"] = 3.0  # trees now pay; "d" ran without context, so it decodes plainly
+    auto._memo.clear()
+    for _ in range(HOLD - 1):
+        assert tuner.next_tree(1, ["d"]).mode == "ar"
+    assert tuner.next_tree(1, ["d"]).mode == "ar" and runner.keep_context and tuner.held_for_context == 1
+    tuner.retired("d")
+    tuner.admitted("e", alone=True)
+    assert tuner.next_tree(1, ["e"]).mode == "treeflash" and not tuner._requests["e"][2]
