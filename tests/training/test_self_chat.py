@@ -261,3 +261,20 @@ def test_bench_held_out_chat_self_prompts_are_the_held_out_split(writer, lenient
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report["prompts"] == 2 and report["identical_outputs"] is True
+
+
+def test_a_run_with_another_seed_avoids_the_benchmarks_held_out_turns_too(writer, lenient, tmp_path, monkeypatch):
+    """A training run with the benchmark's instruction settings but another --seed: its own held-out
+    stream is not the benchmark's, so the benchmark's held-out pool (seed 0) is rejected as well; with
+    the streams made identical whatever the seed, every turn of that pool met again is rejected."""
+    _, v, tok = writer
+    monkeypatch.setattr(self_chat, "BENCH_SETTINGS", {f.name: getattr(CFG, f.name) for f in dataclasses.fields(CFG)})
+    bench = TrainConfig(**self_chat.BENCH_SETTINGS)
+    other = dataclasses.replace(bench, seed=7)
+    monkeypatch.setattr(self_chat, "opener", lambda split, seed, i: self_chat.OPENERS[i % 3] if seed == 0 or
+                        split == "train" else "")
+    monkeypatch.setattr(self_chat, "turn_seed", lambda seed, split, i: i if seed == 0 or split == "train" else 10**6 + i)
+    held = self_chat_prompts(v, tok, "v", "heldout", self_chat.HELDOUT_POOL, bench, tmp_path, lambda m: None)
+    train = self_chat_prompts(v, tok, "v", "train", 8, other, tmp_path, lambda m: None)
+    assert not {normalise(t) for t in train.texts} & {normalise(t) for t in held.texts}
+    assert train.rejected["held-out"] >= self_chat.HELDOUT_POOL

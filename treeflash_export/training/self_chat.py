@@ -14,7 +14,10 @@ the source's prompts; the verifier's answers to them are the training data (data
 
 Splits: the training and held-out splits sample from their own seeded streams; besides, a
 training turn whose normalised text is one of the first HELDOUT_POOL held-out turns is rejected,
-so no held-out prompt (of a benchmark or run with up to HELDOUT_POOL of them) is trained on.
+so no held-out prompt (of a benchmark or run with up to HELDOUT_POOL of them) is trained on: the
+run's own held-out turns, and, for a run with the benchmark's instruction settings but another
+--seed, the benchmark's too (`treeflash-bench --heldout-domain chat-self`: the held-out split under
+BENCH_SETTINGS), whose stream the run's seed would otherwise not avoid.
 A split takes the first `count` accepted candidates of its stream, so a larger run reuses every
 cached candidate, and the raw candidates are saved after every batch: an interrupted run loses
 one batch at most.
@@ -45,6 +48,7 @@ SOURCE = "chat-self"
 SELF_RECIPE = 1
 SELF_CLEAN = 1
 HELDOUT_POOL = 64
+BENCH_SETTINGS = {"prompt_tokens": 160, "gen_batch": 64}  # the benchmark's held-out turns (heldout_turns)
 MIN_WORDS, MAX_CHARS = 4, 400
 REJECTIONS = ("unfinished", "empty", "too short", "too long", "not English", "answer-like", "malformed",
               "duplicate", "held-out", "over --prompt-tokens")
@@ -180,9 +184,14 @@ def self_chat_prompts(verifier, tok, verifier_key: str, split: str, count: int, 
         raise ConfigError(f"--source {SOURCE} samples the user turns: --instruction-temperature must be > 0")
     avoid: set[str] = set()
     if split == "train":
-        held = self_chat_prompts(verifier, tok, verifier_key, "heldout", HELDOUT_POOL, cfg, work, log, world=world,
-                                 pad_id=pad_id)
-        avoid = {normalise(t) for t in held.texts}
+        bench = TrainConfig(**BENCH_SETTINGS)
+        other = (cfg.instruction_tokens, cfg.instruction_temperature) == (bench.instruction_tokens,
+                                                                         bench.instruction_temperature)
+        pools = [cfg] + ([bench] if other and cfg.seed != bench.seed else [])
+        for pool in pools:
+            held = self_chat_prompts(verifier, tok, verifier_key, "heldout", HELDOUT_POOL, pool, work, log,
+                                     world=world, pad_id=pad_id)
+            avoid |= {normalise(t) for t in held.texts}
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"turns-{SOURCE}-{split}-{turns_key(verifier_key, split, cfg)}.pt"
@@ -218,7 +227,7 @@ def heldout_turns(verifier_path: Path, tok, count: int, cache: Path) -> list[lis
     generated once per verifier (by content) and cached in `cache`."""
     from ..checkpoints import checkpoint_fingerprint, load_verifier, resolve_checkpoint
 
-    cfg = TrainConfig(prompt_tokens=160, gen_batch=64)
+    cfg = TrainConfig(**BENCH_SETTINGS)
     verifier_path = resolve_checkpoint(verifier_path, "verifier")
     verifier = load_verifier(verifier_path, dtype=torch.float32, device="cpu")
     pad_id = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
