@@ -145,7 +145,7 @@ class TreeTuner:
         self.resumed = False  # whether the acceptance model was read from an earlier run
         self._note: str | None = None
         self._saved_at = -float("inf")
-        self._timed: set = set()  # (bucket, setting) pairs whose first round has run
+        self._timed: set = set()  # (bucket, setting, context kept) whose first round has run
         self.captures = False  # whether a setting's first round captures a graph (CUDA graphs on)
         self._at_exit = False
         self.fixed_mode: str | None = None  # the mode the user gave (the tuner then chooses only N, M, K)
@@ -417,7 +417,8 @@ class TreeTuner:
         round that also ran a score probe is left out too."""
         if self._probe is not None or self._held_round:  # the probe's work is not the setting's; held: no need
             return
-        key = (bucket, self.current)
+        # Plain steps with and without the drafter's context (see _context) are two captured graphs.
+        key = (bucket, self.current, self._runner is not None and self._runner.keep_context)
         if self.current is not None and (key in self._timed or not self.captures):
             self.auto.observe_time(self.current, bucket, 1000.0 * seconds)
         self._timed.add(key)
