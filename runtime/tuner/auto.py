@@ -95,6 +95,10 @@ class Realised:
         a = max(self.ema, 1.0 / (n + 1))
         self.ratio[key] = (1 - a) * self.ratio.get(key, 1.0) + a * r
 
+    def corrections(self, b: int) -> tuple[float, float]:
+        """The corrections (plain decoding's, the trees') that scale bucket b's predicted rounds now."""
+        return self.ratio.get((b, True), 1.0), self.ratio.get((b, False), 1.0)
+
     def version(self, b: int) -> tuple:
         """What the corrections are now: a count per ratio that steps when the ratio has moved 5% since
         its last step (a choice made under them is reused while it holds: the choice costs far more
@@ -141,7 +145,8 @@ class AutoTuner:
         self._next_family = 0
         self._picked: dict[int, Counter] = {}  # bucket -> (M, K) of TreeFlash choices so far
         self.settled: dict[int, tuple[int, int]] = {}  # bucket -> TreeFlash's (M, K)
-        self._memo: dict[int, tuple] = {}  # bucket -> (what the choice depended on, the choice)
+        # bucket -> (what the choice depended on, the choice, the cost corrections it was made under)
+        self._memo: dict[int, tuple] = {}
         self._informed: set[str] = set()  # the families some round has informed
         self.exploring = False  # whether the last setting() was an exploration round
         self._families = [m for m in FAMILIES if any(s.mode == m for s in self.candidates)]
@@ -237,13 +242,8 @@ class AutoTuner:
         if memo is not None and (memo[0] == key or self._still_wide(bucket, memo, key, stream)):
             return memo[1]  # nothing observed since (plain rounds teach nothing)
         choice = self._choose_now(bucket, stream, current)
-        self._memo[bucket] = (key, choice, self._corrections(bucket))
+        self._memo[bucket] = (key, choice, self.cost.corrections(bucket))
         return choice
-
-    def _corrections(self, bucket: int) -> tuple[float, float]:
-        """The realised cost corrections (plain, trees) that scale this bucket's predicted rounds."""
-        ratio = self.cost.ratio
-        return ratio.get((bucket, True), 1.0), ratio.get((bucket, False), 1.0)
 
     def _still_wide(self, bucket: int, memo: tuple, key: tuple, stream: RequestStream | None) -> bool:
         """Whether a plain decoding choice made under other cost corrections (or for another request
@@ -262,7 +262,7 @@ class AutoTuner:
         if (choice is None or choice.setting != PLAIN or choice.runner_up_tokens_per_s is None
                 or not choice.plain_tokens_per_s):
             return False
-        (plain_then, tree_then), (plain_now, tree_now) = then, self._corrections(bucket)
+        (plain_then, tree_then), (plain_now, tree_now) = then, self.cost.corrections(bucket)
         moved = (tree_then / tree_now) * (plain_now / plain_then)
         return choice.runner_up_tokens_per_s * moved < self.wide * choice.plain_tokens_per_s
 

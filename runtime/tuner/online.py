@@ -272,11 +272,10 @@ class TreeTuner:
         self._requests[key] = [RequestStream(), 0, False]  # stream, tree rounds alone, without context
         if alone:
             self._hold = (None, 0)
-        elif self._hold[1]:
-            self._joined = True  # marked by its first held round (see next_tree)
-        if alone:
             self.auto.acceptance.restart_averages()
             self.auto.new_request()
+        elif self._hold[1]:
+            self._joined = True  # marked by its first held round (see next_tree)
 
     def retired(self, key) -> None:
         """The engine's request ``key`` left its slot."""

@@ -185,9 +185,9 @@ def self_chat_prompts(verifier, tok, verifier_key: str, split: str, count: int, 
     avoid: set[str] = set()
     if split == "train":
         bench = TrainConfig(**BENCH_SETTINGS)
-        other = (cfg.instruction_tokens, cfg.instruction_temperature) == (bench.instruction_tokens,
-                                                                         bench.instruction_temperature)
-        pools = [cfg] + ([bench] if other and cfg.seed != bench.seed else [])
+        same_instructions = (cfg.instruction_tokens, cfg.instruction_temperature) == (
+            bench.instruction_tokens, bench.instruction_temperature)
+        pools = [cfg] + ([bench] if same_instructions and cfg.seed != bench.seed else [])
         for pool in pools:
             held = self_chat_prompts(verifier, tok, verifier_key, "heldout", HELDOUT_POOL, pool, work, log,
                                      world=world, pad_id=pad_id)
