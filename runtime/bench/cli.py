@@ -428,39 +428,44 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
                       for n in (tree_sizes if not artifacts else [None])]
         trees.append(TreeConfig(mode="ar"))
         for i, tree in enumerate(trees):
-            tuned = tuner if tree is None else None
             if sweep is not None:
-                log(f"sweep: {i + 1}/{len(trees)} {_label(tree)}")
-            generate(runner, ids[0], tree or TreeConfig(), sampling, tuner=tuned)  # warm-up (and the tuner's start)
-            tokens = rounds = gained = 0
-            elapsed = 0.0
-            outs, used = [], Counter()
-            per_prompt = [[0, 0.0] for _ in ids]  # tokens, seconds
-            for _ in range(repeat):
-                for j, p in enumerate(ids):
+                log(f"sweep: warm-up {i + 1}/{len(trees)} {_label(tree)}")
+            generate(runner, ids[0], tree or TreeConfig(), sampling, tuner=None if tree else tuner)  # and the tuner's start
+        # Prompt by prompt, every setting in turn (the machine's drift then falls on all of them alike,
+        # and each prompt's ratios compare runs minutes apart at most).
+        tally = [dict(tokens=0, rounds=0, gained=0, elapsed=0.0, outs=[], used=Counter(),
+                      per_prompt=[[0, 0.0] for _ in ids]) for _ in trees]  # per prompt: tokens, seconds
+        for r in range(repeat):
+            for j, p in enumerate(ids):
+                if sweep is not None:
+                    log(f"sweep: prompt {j + 1}/{len(ids)}" + (f", run {r + 1}/{repeat}" if repeat > 1 else ""))
+                for tree, t in zip(trees, tally):
+                    tuned = tuner if tree is None else None
                     t0 = time.perf_counter()
                     res = generate(runner, p, tree or TreeConfig(), sampling, tuner=tuned)
                     took = time.perf_counter() - t0
-                    elapsed += took
-                    per_prompt[j][0] += res.stats.new_tokens
-                    per_prompt[j][1] += took
-                    tokens += res.stats.new_tokens
-                    rounds += res.stats.rounds
-                    gained += sum(res.stats.accept_lengths)
-                    outs.append(res.token_ids)
+                    t["elapsed"] += took
+                    t["per_prompt"][j][0] += res.stats.new_tokens
+                    t["per_prompt"][j][1] += took
+                    t["tokens"] += res.stats.new_tokens
+                    t["rounds"] += res.stats.rounds
+                    t["gained"] += sum(res.stats.accept_lengths)
+                    t["outs"].append(res.token_ids)
                     if tuned:
-                        used.update(res.stats.tuning["settings_used"])
+                        t["used"].update(res.stats.tuning["settings_used"])
+        for tree, t in zip(trees, tally):
             resolved = None if tree is None else tree.resolved(runner.block_size)
-            outputs[backend, _label(resolved)] = outs
+            outputs[backend, _label(resolved)] = t["outs"]
+            tokens, rounds, elapsed = t["tokens"], t["rounds"], t["elapsed"]
             row = {"backend": backend, "mode": "auto" if tree is None else tree.mode, "setting": _label(resolved),
                    "tree_size": None if tree is None else resolved.tree_size,
                    "top_m": None if tree is None else resolved.top_m, "top_k": None if tree is None else resolved.top_k,
                    "new_tokens": tokens, "rounds": rounds, "elapsed_s": elapsed,
-                   "mean_accepted": gained / rounds if rounds else 0.0,
+                   "mean_accepted": t["gained"] / rounds if rounds else 0.0,
                    "tokens_per_s": tokens / elapsed if elapsed else 0.0,
-                   "per_prompt_tokens_per_s": [n / t if t else 0.0 for n, t in per_prompt]}
-            if tuned:
-                row["tuning"] = {**tuned.report(), "settings_used": dict(used)}
+                   "per_prompt_tokens_per_s": [n / s if s else 0.0 for n, s in t["per_prompt"]]}
+            if tree is None:
+                row["tuning"] = {**tuner.report(), "settings_used": dict(t["used"])}
             rows.append(row)
     by = {(r["backend"], r["setting"]): r for r in rows}
     for r in rows:

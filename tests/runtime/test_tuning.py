@@ -248,6 +248,41 @@ def test_bench_sweep_times_the_grid_beside_auto_and_plots(pair_dirs, tmp_path, m
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_runs_every_row_in_turn_prompt_by_prompt(pair_dirs, tmp_path, monkeypatch):
+    """After one warm-up per row, each prompt runs every row (auto, the fixed tree, plain decoding)
+    before the next prompt: the machine's drift falls on all rows alike and each prompt's ratio
+    compares runs close in time."""
+    import treeflash_runtime.loop as loop
+    from treeflash_runtime.bench.cli import main
+
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path / "cache"))
+    calls, generate = [], loop.generate
+
+    def recording(runner, prompt_ids, tree, sampling, on_tokens=None, tuner=None):
+        calls.append((len(prompt_ids), "auto" if tuner is not None else tree.mode))
+        return generate(runner, prompt_ids, tree, sampling, on_tokens, tuner)
+
+    monkeypatch.setattr(loop, "generate", recording)
+    d = pair_dirs["qwen3"]
+    r = CliRunner().invoke(main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--prompt",
+                                  PROMPTS[0], "--prompt", PROMPTS[0] + " and more words here", "--max-new-tokens",
+                                  "6", "--ignore-eos", "--modes", "auto,treeflash", "--tree-sizes", "4",
+                                  "--repeat", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    settings = [row["setting"] for row in rep["rows"]]
+    assert len(settings) == 3 and settings[0] == "auto" and settings[1].startswith("treeflash N=4 ") \
+        and settings[2] == "ar"
+    modes = ["auto", "treeflash", "ar"]
+    assert [m for _, m in calls[:3]] == modes  # the warm-ups
+    timed = calls[3:]
+    assert len(timed) == 2 * 2 * 3 and [m for _, m in timed] == modes * 4
+    lengths = [n for n, _ in timed]
+    assert lengths[:3] == [lengths[0]] * 3 and lengths[3:6] == [lengths[3]] * 3 and lengths[0] != lengths[3]
+    assert lengths[6:] == lengths[:6]  # the second run of both prompts
+    assert rep["identical_outputs"] and all(len(row["per_prompt_tokens_per_s"]) == 2 for row in rep["rows"])
+
+
 def test_with_graphs_the_probe_times_a_replay_of_each_part(load):
     """On CUDA the rounds that serve are graph replays, so the probe captures each part once and times
     its replays (an eager stand-in for the capture here, as the CPU tests of the captured round do):
@@ -316,7 +351,9 @@ def test_a_round_reports_a_tree_twice_its_size_and_labels_only_what_it_verified(
 def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pair_dirs, tmp_path):
     """Trees that could pay but are predicted slower (a random drafter): plain decoding runs, and after
     some plain steps the best tree is drafted and scored without being verified; the tokens committed
-    next label it. The output is the verifier's all the same, and the probe is off after the generation."""
+    next label it, for the calibration and the request's realised correction alike (one note per
+    labelled probe). The output is the verifier's all the same, and the probe is off after the
+    generation."""
     pair = load("qwen3")
     ids = pair.tokenizer(PROMPTS[2])["input_ids"]
     want = hf_greedy(pair.verifier, ids, 40)
@@ -327,16 +364,22 @@ def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pa
     labelled = []
     real = tuner._label_probes
 
+    streams = []
+
     def spy(tokens):
-        waiting = len(tuner._waiting)
+        waiting, noted = len(tuner._waiting), tuner.stream.noted
         real(tokens)
         labelled.append(waiting - len(tuner._waiting))
+        assert tuner.stream.noted - noted == labelled[-1]
+        streams.append(tuner.stream)
 
     tuner._label_probes = spy
     res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=40), tuner=tuner)
     assert res.token_ids == want
     assert res.stats.tuning["settings_used"].get("ar", 0) >= 30
     assert sum(labelled) >= 3  # the probes after plain steps 2, 4, 8 and 16 at least, once labelled
+    realised = streams[-1].realised
+    assert realised and all(p > 0 and r >= 0 for p, r in realised.values())
     assert runner.probe_tree is None and not tuner._waiting
 
 
