@@ -163,49 +163,13 @@ class ChainEstimate:
         return total
 
 
-# Pseudo-tokens of gain at ratio 1 in a request's realised correction (RequestStream.ratio). At 2, one
-# unlucky first round (predicted 5 tokens past the root, gained none) cut a tree that paid to a
-# quarter for the rest of the request; at 4 three rounds gaining a third of their prediction take
-# the prediction halfway there.
-REALISED_PRIOR = 4.0
-# Down only: the correction is there to leave trees that lose (the promise is never to be slower than
-# plain decoding). Raised above 1 on an easy request, it scaled the gain a small tree realised onto
-# larger trees' extra nodes, and `make demo`'s prompt ran TreeFlash N = 16, M = 8, K = 16 at 31 tok/s
-# where the settings chosen without it ran at 34.
-REALISED_RANGE = (0.25, 1.0)
-
-
 class RequestStream:
-    """One request's own calibration counts (no decay), blended with the deployment's, and per mode
-    the gain its rounds realised against the gain predicted for them.
-
-    The calibration corrects per score bin, and a request's first rounds fill few bins: a request
-    whose drafts score as confidently as easy traffic's but are accepted less (a hard answer after
-    easy ones) kept a prediction of 3-4.7 tokens a round for twelve rounds that each gained 1.8, on
-    the demo pair 0.84x plain decoding over that answer. The realised ratio (gain realised + prior)
-    / (gain predicted + prior) scales the request's predicted gain of that mode, so such a request
-    leaves the tree after a few rounds. Score probes note what their trees would have gained too
-    (online.TreeTuner._label_probes), so a request that left a tree after unlucky rounds returns to
-    it when the probes say it pays."""
+    """One request's own calibration counts (no decay), blended with the deployment's."""
 
     def __init__(self, blend: float = 4.0):
         self.blend = blend
         self.calibrators = {"treeflash": Calibrator(), "marginal": Calibrator()}
         self.rounds = 0
-        self.realised: dict[str, tuple[float, float]] = {}  # mode -> (gain predicted, gain realised)
-        self.noted = 0  # rounds noted (a choice made before a note is stale)
-
-    def note(self, mode: str, predicted_gain: float, gain: float) -> None:
-        """A round of this mode gained ``gain`` tokens past the root's, where ``predicted_gain`` was
-        predicted before it ran (without this correction)."""
-        p, r = self.realised.get(mode, (0.0, 0.0))
-        self.realised[mode] = (p + max(predicted_gain, 0.0), r + max(gain, 0.0))
-        self.noted += 1
-
-    def ratio(self, mode: str) -> float:
-        """The realised correction of this mode's predicted gain (1 before a round of it)."""
-        p, r = self.realised.get(mode, (0.0, 0.0))
-        return float(np.clip((r + REALISED_PRIOR) / (p + REALISED_PRIOR), *REALISED_RANGE))
 
 
 def _family(mode: str) -> str:
@@ -361,18 +325,9 @@ class AcceptanceModel:
         p = cal.probability(scores[elig][: max(n - 1, 0)], None if stream is None else outer)
         return 1.0 + float(p.sum())
 
-    def expected(self, s: Setting, stream: RequestStream | None = None, block_size: int | None = None,
-                 realised: bool = True) -> float | None:
+    def expected(self, s: Setting, stream: RequestStream | None = None, block_size: int | None = None) -> float | None:
         """Average expected tokens per round at setting s over recent rounds; None when no round
-        has informed it yet (the tuner explores first). Plain decoding: 1. With a stream, the gain is
-        scaled by the stream's realised ratio of the mode (RequestStream.ratio) unless realised=False."""
-        tokens = self._expected(s, stream, block_size)
-        if tokens is None or stream is None or not realised or s.mode == "ar":
-            return tokens
-        most = float(min(s.tree_size, block_size) if block_size else s.tree_size)
-        return min(1.0 + (tokens - 1.0) * stream.ratio(s.mode), most)
-
-    def _expected(self, s: Setting, stream: RequestStream | None, block_size: int | None) -> float | None:
+        has informed it yet (the tuner explores first). Plain decoding: 1."""
         if s.mode == "ar":
             return 1.0
         if s.mode == "chain":

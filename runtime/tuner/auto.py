@@ -237,8 +237,7 @@ class AutoTuner:
         """The best tree (rates discounted by `tree_margin`), then that tree or plain decoding (the
         tree's rate discounted by `required_margin`)."""
         current = self.current.get(bucket)
-        key = (self.acceptance.rounds, current, id(stream), 0 if stream is None else stream.noted,
-               self.cost.version(bucket))
+        key = (self.acceptance.rounds, current, id(stream), self.cost.version(bucket))
         memo = self._memo.get(bucket)
         if memo is not None and (memo[0] == key or self._still_wide(bucket, memo, key, stream)):
             return memo[1]  # nothing observed since (plain rounds teach nothing)
@@ -253,7 +252,7 @@ class AutoTuner:
         moved since are applied (they scale all tree rounds of the bucket alike, and plain decoding's,
         so the best tree is the same one). On a small model whose round is a millisecond, choosing
         again each time a correction moves cost more than the tuner's whole budget."""
-        (rounds, current, _, _, _), choice, then = memo
+        (rounds, current, _, _), choice, then = memo
         return (rounds == key[0] and current == key[1] and not (stream is not None and stream.rounds)
                 and self._wide(bucket, choice, then))
 

@@ -173,8 +173,7 @@ class TreeTuner:
         self._probe_next = {"plain": (2, 2), "family": (2, 2)}
         self._plain_probes = 0
         self._probe: Setting | None = None  # the tree the runner scores after this plain step
-        self._predicted: tuple | None = None  # (stream, mode, gain predicted) of the round that runs
-        self._waiting: list = []  # score probes waiting for the tokens that label them: [setting, raw, tokens, predicted]
+        self._waiting: list = []  # score probes waiting for the tokens that label them: [setting, raw, tokens]
         self.without_context = 0  # engine rounds of plain decoding that skipped the drafter's context
         self.held_for_context = 0  # engine rounds that ran plain decoding, not the tree chosen (see _context)
         self._hold = (None, 0)  # (bucket, engine rounds left) of plain decoding by far without asking again
@@ -312,7 +311,6 @@ class TreeTuner:
         if self._note and self.log:  # said at first use, with the cost model's lines
             self.log(self._note)
         self._note = None
-        self._predicted = None
         held, left = self._hold
         self._held_round = bool(left) and held == bucket
         if self._held_round:  # plain decoding by far (see _context): not asked again yet
@@ -335,11 +333,6 @@ class TreeTuner:
             s = self._context(s, bucket, requests)
         self.current = s
         self._probe = None
-        # The prediction this round is held to (see RequestStream.note): of the stream that decided.
-        if stream is not None and s.mode != "ar":
-            tokens = self.auto.acceptance.expected(s, stream, self.auto.block_size, realised=False)
-            if tokens is not None:
-                self._predicted = (stream, s.mode, tokens - 1.0)
         if self._runner is not None and not self.captures:
             self._rounds += 1
             if alone is not None:
@@ -448,40 +441,26 @@ class TreeTuner:
         # A round with a family probe reported the probe's nodes instead of its own.
         raw = None if s is None or s.mode == "ar" or family_probe else runner.observation(slot, self._config(s))
         own = self._requests.get(request) if request is not None else None
-        stream = self.stream if own is None else own[0]
-        if self._predicted is not None and gained is not None and self._predicted[0] is stream:
-            _, mode, predicted = self._predicted
-            stream.note(mode, predicted, gained - 1)
-            self._predicted = None
-        self.auto.observe(None if raw is None else observation(s, raw), stream)
+        self.auto.observe(None if raw is None else observation(s, raw), self.stream if own is None else own[0])
 
     def _wait_for_labels(self, runner, slot: int, tokens: list[int] | None) -> None:
         probe = runner.probe_observation(slot)
         if probe is not None and tokens is not None:
-            predicted = None
-            if self.stream is not None:  # what the probed tree was predicted to gain (see _label_probes)
-                predicted = self.auto.acceptance.expected(self._probe, self.stream, self.auto.block_size,
-                                                          realised=False)
-            self._waiting.append([self._probe, probe, [], predicted])
+            self._waiting.append([self._probe, probe, []])
 
     def _label_probes(self, tokens: list[int]) -> None:
         """The tokens a round committed extend every waiting probe's continuation; a probe whose every
-        node can now be told accepted or not feeds the acceptance model, and the request's realised
-        correction: the nodes of the probed tree (its best N - 1) on the committed path are what a round
-        of it would have gained, so a request that left a tree after unlucky rounds comes back to it
-        when its probes say it pays (RequestStream.note)."""
+        node can now be told accepted or not feeds the acceptance model."""
         still = []
         for entry in self._waiting:
-            s, raw, got, predicted = entry
+            s, raw, got = entry
             got.extend(tokens)
             labels = hindsight_labels(raw["tokens"], raw["parents"], got)
             if labels is None:
                 still.append(entry)
                 continue
-            obs = observation(s, {**raw, "accepted": labels, "verified": len(labels)})
-            if predicted is not None and self.stream is not None:
-                self.stream.note(s.mode, predicted - 1.0, float(obs.accepted[: s.tree_size - 1].sum()))
-            self.auto.acceptance.observe(obs, self.stream, deployment=False)
+            self.auto.acceptance.observe(observation(s, {**raw, "accepted": labels, "verified": len(labels)}),
+                                         self.stream, deployment=False)
         self._waiting = still
 
     def report(self) -> dict:

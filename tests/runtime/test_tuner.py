@@ -316,75 +316,6 @@ def test_a_request_stream_blends_its_own_rates():
     assert model.expected(s, stream) > model.expected(s) + 0.5
 
 
-def test_a_request_streams_realised_gain_scales_its_predictions_of_that_mode():
-    """Before a noted round the ratio is 1; after, (gain realised + 4) / (gain predicted + 4) scales
-    the request's predicted gain of that mode only, within [0.25, 1] (it only ever lowers a prediction)."""
-    rng = np.random.default_rng(3)
-    model, stream = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(8,)), RequestStream()
-    for _ in range(50):
-        model.observe(synthetic_round(rng, 16, 8, 1.0)[0])
-    s, m = Setting("treeflash", 16, 1, 8), Setting("marginal", 16, 1, 8)
-    raw = model.expected(s, stream)
-    assert raw > 2.0 and stream.ratio("treeflash") == 1.0
-    stream.note("treeflash", 3.0, 1.0)  # predicted 3 tokens past the root, gained 1
-    assert stream.ratio("treeflash") == pytest.approx(5.0 / 7.0)
-    assert model.expected(s, stream) == pytest.approx(1.0 + (raw - 1.0) * 5.0 / 7.0)
-    assert model.expected(s, stream, realised=False) == pytest.approx(raw)
-    assert model.expected(s) == pytest.approx(model.expected(s, RequestStream()))  # no stream: no correction
-    assert stream.ratio("marginal") == 1.0 and model.expected(m, stream) == model.expected(m, stream, realised=False)
-    for _ in range(20):
-        stream.note("treeflash", 3.0, 0.0)
-    assert stream.ratio("treeflash") == 0.25
-    lucky = RequestStream()
-    for _ in range(10):
-        lucky.note("treeflash", 0.5, 7.0)
-    assert lucky.ratio("treeflash") == 1.0
-    t4 = Setting("treeflash", 4, 1, 8)
-    assert model.expected(t4, lucky, B) == model.expected(t4, lucky, B, realised=False)
-
-
-def test_a_request_that_gains_far_less_than_predicted_leaves_the_tree_within_three_rounds():
-    """The deployment's counts predict about 2.4 tokens a round for a tree that costs 1.6 plain steps;
-    this request's rounds gain 1 token each and report no nodes (so the calibration cannot see it).
-    The realised correction moves it to plain decoding after three rounds; without it the tree ran on."""
-    from types import SimpleNamespace
-
-    import treeflash_runtime.tuner.acceptance as acceptance_module
-    from treeflash_runtime.tuner.online import TreeTuner
-
-    tree = Setting("treeflash", 16, 1, 8)
-    cost = CostModel({1: BucketCosts(ar=10, draft=0, verify={16: 16}, expand={(1, 8): 0}, tree={16: 0}, other=0)})
-
-    def trees_run(prior):
-        acceptance_module.REALISED_PRIOR = prior
-        rng = np.random.default_rng(4)
-        model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(8,))
-        for _ in range(200):
-            model.observe(synthetic_round(rng, 16, 8, 1.0)[0])
-        assert model.expected(tree) > 2.2
-        auto = AutoTuner(cost, model, [tree], B, explore_every=0, seed_rounds=0, confirm_every=0)
-        tuner = TreeTuner(auto)
-        runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None,
-                                 observation=lambda slot, cfg: None, probe_observation=lambda slot: None)
-        tuner.serve(runner)
-        tuner.new_generation()
-        modes = []
-        for _ in range(12):
-            modes.append(tuner.next_tree(1).mode)
-            tuner.after_round(runner, gained=1, tokens=[7])
-        return modes
-
-    prior = acceptance_module.REALISED_PRIOR
-    try:
-        with_correction = trees_run(prior)
-        without = trees_run(1e9)
-    finally:
-        acceptance_module.REALISED_PRIOR = prior
-    assert with_correction[0] == "treeflash" and with_correction.count("treeflash") <= 3, with_correction
-    assert set(with_correction[3:]) == {"ar"}
-    assert without.count("treeflash") >= 10, without
-
-
 def test_chain_estimate_is_the_product_of_per_depth_rates():
     """Each depth is accepted with probability 0.8 given its parent was, whatever the drafter says:
     the estimate is within 5% of the truth (the tokens of a round vary a lot: 1,500 rounds) and
@@ -410,7 +341,7 @@ class FixedAcceptance:
     def __init__(self, f):
         self.f = f
 
-    def expected(self, s, stream=None, block_size=None, realised=True):
+    def expected(self, s, stream=None, block_size=None):
         return 1.0 if s.mode == "ar" else self.f(s)
 
 

@@ -351,9 +351,7 @@ def test_a_round_reports_a_tree_twice_its_size_and_labels_only_what_it_verified(
 def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pair_dirs, tmp_path):
     """Trees that could pay but are predicted slower (a random drafter): plain decoding runs, and after
     some plain steps the best tree is drafted and scored without being verified; the tokens committed
-    next label it, for the calibration and the request's realised correction alike (one note per
-    labelled probe). The output is the verifier's all the same, and the probe is off after the
-    generation."""
+    next label it. The output is the verifier's all the same, and the probe is off after the generation."""
     pair = load("qwen3")
     ids = pair.tokenizer(PROMPTS[2])["input_ids"]
     want = hf_greedy(pair.verifier, ids, 40)
@@ -364,22 +362,16 @@ def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pa
     labelled = []
     real = tuner._label_probes
 
-    streams = []
-
     def spy(tokens):
-        waiting, noted = len(tuner._waiting), tuner.stream.noted
+        waiting = len(tuner._waiting)
         real(tokens)
         labelled.append(waiting - len(tuner._waiting))
-        assert tuner.stream.noted - noted == labelled[-1]
-        streams.append(tuner.stream)
 
     tuner._label_probes = spy
     res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=40), tuner=tuner)
     assert res.token_ids == want
     assert res.stats.tuning["settings_used"].get("ar", 0) >= 30
     assert sum(labelled) >= 3  # the probes after plain steps 2, 4, 8 and 16 at least, once labelled
-    realised = streams[-1].realised
-    assert realised and all(p > 0 and r >= 0 for p, r in realised.values())
     assert runner.probe_tree is None and not tuner._waiting
 
 
