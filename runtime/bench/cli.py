@@ -430,7 +430,8 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
         for i, tree in enumerate(trees):
             if sweep is not None:
                 log(f"sweep: warm-up {i + 1}/{len(trees)} {_label(tree)}")
-            generate(runner, ids[0], tree or TreeConfig(), sampling, tuner=None if tree else tuner)  # and the tuner's start
+            # warm-up (and the tuner's start)
+            generate(runner, ids[0], tree or TreeConfig(), sampling, tuner=tuner if tree is None else None)
         # Prompt by prompt, every setting in turn (the machine's drift then falls on all of them alike,
         # and each prompt's ratios compare runs minutes apart at most).
         tally = [dict(tokens=0, rounds=0, gained=0, elapsed=0.0, outs=[], used=Counter(),
