@@ -706,7 +706,7 @@ class TorchRunner(Runner):
         """Seconds of one part of a round over slots 0..b-1 (inside ``probing``), synchronised; the
         committed state is put back after, so every call times the same lengths. Parts (the tuner's
         probe protocol, treeflash_runtime.tuner.cost): 'ar', 'draft', 'verify' (nodes=N), 'expand'
-        (top_m=M, top_k=K, or mode='chain'), 'tree' (tree_size=N), 'round' (setting=...). With CUDA
+        (top_m=M, top_k=K; mode='chain'; mode='marginal', top_k=K), 'tree' (tree_size=N), 'round' (setting=...). With CUDA
         graphs on, each part is captured once and its replay is timed: the rounds that serve are
         replays, whose cost an eager call (launches from Python) would overstate many times."""
         st = self.state
@@ -744,8 +744,12 @@ class TorchRunner(Runner):
                 memo["z"] = self.draft(b, bound)
             return self._batched_tables(b, root, memo["z"], cfg)
 
-        def grid(top_m, top_k):  # a grid point, within a draft vocabulary smaller than the grid's M or K
-            return TreeConfig(top_m=min(top_m, self.draft_vocab_size), top_k=min(top_k, self.draft_vocab_size))
+        def grid(top_m, top_k, mode="treeflash"):  # a grid point, within a draft vocabulary smaller than M or K
+            return TreeConfig(mode=mode, top_m=min(top_m, self.draft_vocab_size),
+                              top_k=min(top_k, self.draft_vocab_size))
+
+        def tree_tables():  # what the tree parts build from: TreeFlash's tables, or the marginal tree's
+            return tables_for(grid(4, 16) if self.has_head else grid(1, 16, "marginal"))
 
         if part == "ar":
             self._round(b, TreeConfig(mode="ar"), GREEDY, bound)
@@ -758,7 +762,7 @@ class TorchRunner(Runner):
         elif part == "draft-for-probe":
             memo["z"] = self.draft(b, bound)
         elif part == "tree-tables":
-            memo["tables"] = tables_for(grid(4, 16))
+            memo["tables"] = tree_tables()
         elif part == "verify":
             n = int(params["nodes"])
             ids = torch.arange(n, device=self.device)
@@ -766,12 +770,12 @@ class TorchRunner(Runner):
             self.verifier.forward_cached(root[:, None].expand(b, n), P[:, None] + ids, mask, self._first(st.kv, b), P,
                                          key_bound=bound)
         elif part == "expand":
-            chain = params.get("mode") == "chain"
-            tables_for(TreeConfig(mode="chain").resolved(self.block_size) if chain else
-                       grid(int(params["top_m"]), int(params["top_k"])))
+            mode = params.get("mode", "treeflash")
+            tables_for(TreeConfig(mode="chain").resolved(self.block_size) if mode == "chain" else
+                       grid(int(params.get("top_m", 1)), int(params["top_k"]), mode))
         elif part == "tree":
             if "tables" not in memo:
-                memo["tables"] = tables_for(grid(4, 16))
+                memo["tables"] = tree_tables()
             self.build_tree(memo["tables"], root, int(params["tree_size"]))
         else:
             raise ValueError(f"unknown part {part!r}")

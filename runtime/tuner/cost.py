@@ -5,13 +5,14 @@ each part on the device through a small probe (below); this module holds the num
 
     ar         round = ar                                      (one plain decoding step)
     chain      round = draft + expand['chain'] + verify(B) + other
-    marginal   round = draft + expand(1, K) + tree(N) + verify(N) + other
+    marginal   round = draft + expand['marginal'] + tree(N) + verify(N) + other
     treeflash  round = draft + expand(M, K) + tree(N) + verify(N) + other
 
 `other` is the residual of a full round measured at a reference setting (acceptance, KV commit,
-the host read-back): round - (draft + expand + tree + verify), at least 0. Marginal mode's
-expansion is priced as expand(1, K), the head's cost at one parent row: an upper bound when the
-runner skips the head in marginal mode, so the model never makes marginal look cheaper than it is.
+the host read-back): round - (draft + expand + tree + verify), at least 0. The marginal tree's
+expansion (the drafter's own rows and a top-K, no head) is measured on its own: priced as the head's
+cost at one parent row, as caches written before it was measured still do, it cost the demo pair's
+marginal rounds 10 ms (a sixth) that they do not take.
 
 All times are milliseconds for the whole bucket of b slots (one batched round); `verify` and
 `tree` are keyed by nodes per slot (N), so slots x N nodes go through the verifier.
@@ -24,11 +25,12 @@ The probe protocol (the runner implements it; nothing here touches a tensor):
       'verify', nodes=N           a verifier pass over N nodes per slot
       'expand', top_m=M, top_k=K  the expansion (transition tables)
       'expand', mode='chain'      the chain's argmax over the block
+      'expand', mode='marginal', top_k=K   the marginal tree's tables (no head)
       'tree', tree_size=N         the tree build
       'round', setting=Setting    a whole round at that setting (for the residual)
 
 The grid (see `Grid`) is small on purpose: on the 2-core CPU with SmolLM2-135M a verifier pass
-takes 60-280 ms, so each point costs; about 14 points per bucket, each one warm-up call plus up
+takes 40-180 ms, so each point costs; about 17 points per bucket, each one warm-up call plus up
 to `repeats` timed calls that stop early once they have spent `part_budget_s`.
 """
 
@@ -39,7 +41,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from .setting import Setting
+from .setting import TREE_SIZES, Setting
+
+NAMED_EXPANSIONS = ("chain", "marginal")  # expansion costs kept by mode, not by (M, K)
 
 
 class Probe(Protocol):
@@ -68,7 +72,8 @@ class BucketCosts:
     """Milliseconds of each part of a round of b slots.
 
     verify: nodes per slot -> ms. tree: nodes per slot -> ms. expand: (top_m, top_k) -> ms over the
-    drafter's whole block, and 'chain' -> ms for the chain's argmax. block: the drafter's block size
+    drafter's whole block, 'chain' -> ms for the chain's argmax and 'marginal' -> ms for the marginal
+    tree's tables. block: the drafter's block size
     (0: unknown); a tree of N < block nodes expands only its first N positions
     (torch_backend.expansion_depth), so its expansion is predicted without the rows it skips, at
     `row_ms` each.
@@ -86,7 +91,7 @@ class BucketCosts:
         """Bilinear over the measured (M, K) points: over M at each measured K, then over K."""
         by_k: dict[int, dict[int, float]] = {}
         for key, ms in self.expand.items():
-            if key != "chain":
+            if not isinstance(key, str):
                 by_k.setdefault(key[1], {})[key[0]] = ms
         return interpolate({k: interpolate(pts, top_m) for k, pts in by_k.items()}, top_k)
 
@@ -96,8 +101,8 @@ class BucketCosts:
         with the rows); 0 without two such points or the block size."""
         if not self.block:
             return 0.0
-        for k in sorted({key[1] for key in self.expand if key != "chain"}, reverse=True):
-            ms = sorted((key[0], v) for key, v in self.expand.items() if key != "chain" and key[1] == k)
+        for k in sorted({key[1] for key in self.expand if not isinstance(key, str)}, reverse=True):
+            ms = sorted((key[0], v) for key, v in self.expand.items() if not isinstance(key, str) and key[1] == k)
             if len(ms) >= 2 and ms[1][0] > ms[0][0]:
                 (m0, t0), (m1, t1) = ms[:2]
                 return max(0.0, (t1 - t0) / ((self.block - 1) * (m1 - m0)))
@@ -112,7 +117,8 @@ class BucketCosts:
             return {"draft": self.draft, "expand": expand, "tree": 0.0,
                     "verify": interpolate(self.verify, s.tree_size), "other": self.other}
         m = 1 if s.mode == "marginal" else s.top_m
-        expand = self.expand_ms(m, s.top_k)
+        expand = self.expand["marginal"] if s.mode == "marginal" and "marginal" in self.expand else \
+            self.expand_ms(m, s.top_k)
         if 0 < s.tree_size < self.block:  # LM head rows: d positions' marginal ones, (d - 1) x M conditional ones
             rows = (lambda d: d + (d - 1) * m) if s.mode == "treeflash" else (lambda d: d)
             expand = max(0.0, expand - self.row_ms() * (rows(self.block) - rows(s.tree_size)))
@@ -123,7 +129,7 @@ class BucketCosts:
         return {"ar": self.ar, "draft": self.draft, "other": self.other, "block": self.block,
                 "verify": {str(n): ms for n, ms in sorted(self.verify.items())},
                 "tree": {str(n): ms for n, ms in sorted(self.tree.items())},
-                "expand": {k if k == "chain" else f"{k[0]},{k[1]}": ms for k, ms in self.expand.items()}}
+                "expand": {k if isinstance(k, str) else f"{k[0]},{k[1]}": ms for k, ms in self.expand.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "BucketCosts":
@@ -134,9 +140,10 @@ class BucketCosts:
                 raise ValueError(f"a time must be >= 0, got {v}")
             return v
 
-        expand = {k if k == "chain" else tuple(int(x) for x in k.split(",", 1)): ms(v) for k, v in d["expand"].items()}
-        if any(k != "chain" and len(k) != 2 for k in expand):
-            raise ValueError("expand keys are 'M,K' or 'chain'")
+        expand = {k if k in NAMED_EXPANSIONS else tuple(int(x) for x in k.split(",", 1)): ms(v)
+                  for k, v in d["expand"].items()}
+        if any(not isinstance(k, str) and len(k) != 2 for k in expand):
+            raise ValueError("expand keys are 'M,K', 'chain' or 'marginal'")
         return cls(ar=ms(d["ar"]), draft=ms(d["draft"]), other=ms(d["other"]), expand=expand,
                    verify={int(n): ms(v) for n, v in d["verify"].items()},
                    tree={int(n): ms(v) for n, v in d["tree"].items()}, block=int(d.get("block", 0)))
@@ -183,20 +190,24 @@ class Grid:
     """Where `measure` times the parts (per bucket). Chosen for few points that bracket the
     candidates (N in 4..64, M in 1..16, K in 4..16), the rest interpolated:
 
-    verify_nodes (4, 16, 64): a verifier pass is close to affine in the nodes on a CPU and flat then
-        rising on a GPU; three points bracket every candidate size (and the chain's B).
-    tree_sizes (4, 16, 64): the tree build is small next to the passes; the same three points.
+    verify_nodes (4, 8, 16, 32, 64): every tree size the tuner chooses from (and the chain's B). A
+        verifier pass is not affine in the nodes: on the 2-core CPU the demo pair's 4-node pass took
+        as long as its 8-node one (59 and 58 ms; the matrix kernels change with the rows), so the
+        8-node pass interpolated between 4 and 16 came out 6 ms (a tenth of it) too slow, and the
+        tuner preferred 16 nodes where 8 paid better. Flat then rising on a GPU.
+    tree_sizes (4, 16, 64): the tree build is small next to the passes; three points bracket it.
     expand_m (1, 4, 16) at K = expand_k (16): the expansion's cost is (B-1) x M rows through the LM
         head; K only sizes a top-K, so one (the largest, an upper bound) is measured.
     reference: the setting of the full round timed for the residual `other`.
     block_size: the drafter's block (the expansion's rows scale with the positions a tree can reach).
     """
 
-    verify_nodes: tuple[int, ...] = (4, 16, 64)
+    verify_nodes: tuple[int, ...] = TREE_SIZES
     tree_sizes: tuple[int, ...] = (4, 16, 64)
     expand_m: tuple[int, ...] = (1, 4, 16)
     expand_k: tuple[int, ...] = (16,)
     chain: bool = True
+    marginal: bool = True
     tree: bool = True
     reference: Setting = Setting("treeflash", 16, 4, 16)
     block_size: int = 0
@@ -215,12 +226,13 @@ def default_grid(modes: tuple[str, ...], block_size: int, max_tree_size: int = 6
     # The reference uses a measured (M, K) point, so the residual holds no interpolation error.
     ref = Setting(ref_mode, ref_n, 4 if ref_mode == "treeflash" else 1, max(Grid.expand_k) if tree else 1)
     verify = clip(Grid.verify_nodes)
-    if "chain" in modes and block_size > max(verify):
-        verify += (block_size,)
+    if "chain" in modes and block_size not in verify:
+        verify = tuple(sorted(verify + (block_size,)))
     return Grid(verify_nodes=verify if (tree or "chain" in modes) else (),
                 tree_sizes=clip(Grid.tree_sizes) if tree else (),
-                expand_m=Grid.expand_m if "treeflash" in modes else (1,) if tree else (),
-                expand_k=Grid.expand_k if tree else (), chain="chain" in modes, tree=tree, reference=ref,
+                expand_m=Grid.expand_m if "treeflash" in modes else (),
+                expand_k=Grid.expand_k if tree else (), chain="chain" in modes,
+                marginal="marginal" in modes, tree=tree, reference=ref,
                 block_size=block_size)
 
 
@@ -235,6 +247,9 @@ def _steps(grid: Grid) -> list[tuple[str, str, dict]]:
               for k in grid.expand_k for m in grid.expand_m]
     if grid.chain:
         steps.append(("expand", "the chain's argmax", {"mode": "chain"}))
+    if grid.marginal and grid.expand_k:  # K only sizes a top-K: the largest, an upper bound
+        k = max(grid.expand_k)
+        steps.append(("expand", f"the marginal tree's expansion at K={k}", {"mode": "marginal", "top_k": k}))
     steps += [("tree", f"the tree build at {n} nodes", {"tree_size": n}) for n in grid.tree_sizes]
     steps.append(("round", f"a full round ({grid.reference.label()})", {"setting": grid.reference}))
     return steps
@@ -267,7 +282,7 @@ def measure(probe: Probe, buckets: list[int], grid: Grid, log: Callable[[str], N
             if part == "verify":
                 got["verify"][params["nodes"]] = ms
             elif part == "expand":
-                got["expand"]["chain" if params.get("mode") == "chain" else (params["top_m"], params["top_k"])] = ms
+                got["expand"][params["mode"] if "mode" in params else (params["top_m"], params["top_k"])] = ms
             elif part == "tree":
                 got["tree"][params["tree_size"]] = ms
             else:

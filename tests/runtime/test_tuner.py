@@ -5,6 +5,7 @@ No models: a fake probe with deterministic times, synthetic acceptance processes
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import struct
@@ -44,9 +45,15 @@ def test_round_is_the_sum_of_its_parts_per_mode():
     cost = CostModel({1: bucket(), 4: bucket(3.0)})
     assert cost.round_ms(PLAIN, 1) == 10
     assert cost.round_ms(Setting("chain", B, 1, 1), 1) == pytest.approx(2 + 0.2 + 13 + 1.5)
-    # Marginal: the expansion at M = 1 (one K measured: used for every K), tree and verify at N = 8.
+    # Marginal, in a cost file without its own expansion: the head's at M = 1 (one K measured: used for
+    # every K), tree and verify at N = 8.
     assert cost.round_ms(Setting("marginal", 8, 1, 8), 1) == pytest.approx(2 + 1 + (0.4 + 0.2 * 4 / 12)
                                                                             + (11 + 2 * 4 / 12) + 1.5)
+    # With the marginal tree's expansion measured, that figure (it runs no head).
+    measured = CostModel({1: dataclasses.replace(bucket(), expand={**bucket().expand, "marginal": 0.3})})
+    assert measured.round_ms(Setting("marginal", 8, 1, 8), 1) == pytest.approx(2 + 0.3 + (0.4 + 0.2 * 4 / 12)
+                                                                                + (11 + 2 * 4 / 12) + 1.5)
+    assert measured.round_ms(Setting("treeflash", 8, 1, 8), 1) == cost.round_ms(Setting("treeflash", 8, 1, 8), 1)
     s = Setting("treeflash", 32, 8, 16)
     parts = cost.parts(s, 1)
     assert parts == pytest.approx({"draft": 2, "expand": 2.5 + 6 * 4 / 12, "tree": 0.6 + 0.8 * 16 / 48,
@@ -67,7 +74,8 @@ class FakeProbe:
 
     def part_s(self, part, b, nodes=None, top_m=None, top_k=None, mode=None, tree_size=None):
         base = {"ar": lambda: 0.010, "draft": lambda: 0.002, "verify": lambda: 0.010 + 0.0005 * nodes,
-                "expand": lambda: 0.0005 if mode == "chain" else 0.001 * top_m + 0.0001 * top_k,
+                "expand": lambda: {"chain": 0.0005, "marginal": 0.0007 + 0.0001 * (top_k or 0)}.get(
+                    mode, 0.001 * (top_m or 1) + 0.0001 * (top_k or 0)),
                 "tree": lambda: 0.0001 * tree_size}[part]()
         return base * b * self.slow
 
@@ -75,8 +83,8 @@ class FakeProbe:
         self.calls.append((part, b, tuple(sorted((k, str(v)) for k, v in params.items()))))
         if part == "round":
             s = params["setting"]
-            m = 1 if s.mode == "marginal" else s.top_m
-            return (self.part_s("draft", b) + self.part_s("expand", b, top_m=m, top_k=s.top_k)
+            mode = "marginal" if s.mode == "marginal" else None
+            return (self.part_s("draft", b) + self.part_s("expand", b, top_m=s.top_m, top_k=s.top_k, mode=mode)
                     + self.part_s("tree", b, tree_size=s.tree_size) + self.part_s("verify", b, nodes=s.tree_size)
                     + self.residual_s * b * self.slow)
         return self.part_s(part, b, **params)
@@ -85,22 +93,26 @@ class FakeProbe:
 def test_measure_times_the_grid_with_progress_and_warm_up():
     probe, lines = FakeProbe(), []
     grid = default_grid(("ar", "chain", "marginal", "treeflash"), block_size=B)
-    assert grid.verify_nodes == (4, 16, 64) and grid.expand_m == (1, 4, 16) and grid.tree_sizes == (4, 16, 64)
+    # Every tree size is measured (the chain's B = 16 among them); a verifier pass is not affine in its rows.
+    assert grid.verify_nodes == (4, 8, 16, 32, 64) and grid.expand_m == (1, 4, 16) and grid.tree_sizes == (4, 16, 64)
     model = measure(probe, [1, 2], grid, log=lines.append, repeats=3)
-    steps = 1 + 1 + 3 + 3 + 1 + 3 + 1  # ar, draft, verify x3, expand x3, chain, tree x3, round
+    steps = 1 + 1 + 5 + 3 + 1 + 1 + 3 + 1  # ar, draft, verify x5, expand x3, chain, marginal, tree x3, round
     assert len(lines) == 2 * steps
     assert lines[0] == f"tuning: measuring a plain decoding step (1/{2 * steps})"
-    assert lines[3] == f"tuning: measuring verify at 16 nodes (4/{2 * steps})"
+    assert lines[3] == f"tuning: measuring verify at 8 nodes (4/{2 * steps})"
+    assert f"tuning: measuring the marginal tree's expansion at K=16 (12/{2 * steps})" in lines
     assert lines[steps] == f"tuning: measuring a plain decoding step for 2 slots ({steps + 1}/{2 * steps})"
     assert len(probe.calls) == 2 * steps * 4  # one warm-up + 3 timed calls each (all short)
     c1, c2 = model.buckets[1], model.buckets[2]
     assert c1.ar == pytest.approx(10.0) and c2.ar == pytest.approx(20.0)
-    assert c1.verify == pytest.approx({4: 12.0, 16: 18.0, 64: 42.0})
-    assert c1.expand == pytest.approx({(1, 16): 2.6, (4, 16): 5.6, (16, 16): 17.6, "chain": 0.5})
+    assert c1.verify == pytest.approx({4: 12.0, 8: 14.0, 16: 18.0, 32: 26.0, 64: 42.0})
+    assert c1.expand == pytest.approx({(1, 16): 2.6, (4, 16): 5.6, (16, 16): 17.6, "chain": 0.5, "marginal": 2.3})
     assert c1.other == pytest.approx(3.0) and c2.other == pytest.approx(6.0)  # the residual of a full round
-    # The parts add up to a measured round at another setting too.
-    s = Setting("treeflash", 64, 16, 16)
-    assert model.round_ms(s, 1) == pytest.approx(1000 * probe.time_part("round", 1, setting=s))
+    # The parts add up to a measured round at other settings too.
+    for s in (Setting("treeflash", 64, 16, 16), Setting("marginal", 32, 1, 16)):
+        assert model.round_ms(s, 1) == pytest.approx(1000 * probe.time_part("round", 1, setting=s))
+    again = CostModel.from_json(json.loads(json.dumps(model.to_json())))
+    assert again.buckets[1].expand == c1.expand
 
 
 def test_measure_stops_repeating_long_parts():
@@ -117,7 +129,8 @@ def test_plain_only_grid_times_one_part():
 
 def test_grid_clipped_to_the_largest_tree():
     g = default_grid(("ar", "marginal"), block_size=B, max_tree_size=32)
-    assert g.verify_nodes == (4, 16, 32) and g.tree_sizes == (4, 16, 32) and g.expand_m == (1,)
+    assert g.verify_nodes == (4, 8, 16, 32) and g.tree_sizes == (4, 16, 32) and g.expand_m == ()
+    assert g.marginal and not g.chain
     assert g.reference == Setting("marginal", 16, 1, 16)
 
 

@@ -91,7 +91,8 @@ def test_costs_are_measured_once_then_read_from_the_cache(load, pair_dirs, tmp_p
     tuner.next_tree()
     assert not [line for line in lines if line.startswith("tuning: measuring")]
     c = tuner.auto.cost.buckets[1]
-    assert c.ar > 0 and c.draft > 0 and set(c.verify) == {4, 16, 64}
+    assert c.ar > 0 and c.draft > 0 and set(c.verify) == {4, 8, 16, 32, 64}
+    assert c.expand["marginal"] > 0 and c.expand["chain"] > 0
 
 
 def test_treeflash_run_with_auto_settings(pair_dirs, tmp_path, monkeypatch):
