@@ -53,12 +53,6 @@ NBINS = len(BIN_EDGES) + 1
 PRIOR_FIT_BELOW = -0.5  # the nodes the prior's scale is fitted on (near-certain ones say little)
 PRIOR_FIT_STRENGTH = 8.0  # pseudo-nodes' worth of expected acceptance at r = 1 (one unlucky round moves it little)
 PRIOR_RANGE = (0.2, 1.5)
-# After restart_averages (a new request) the past traffic counts as this many rounds in the plain mean of
-# the new request's rounds. As one whole round it held a hard request's predictions up: on held-out
-# everyday chat a request ran TreeFlash at 1.9 tokens a round for twenty rounds, predicted at 3.9 down
-# to 2.2, while each round's own tree was predicted 1.9 (calibration was right; the easier requests
-# before it were in the average).
-PAST_WEIGHT = 0.25
 
 
 def bins_of(scores: np.ndarray) -> np.ndarray:
@@ -208,7 +202,7 @@ class AcceptanceModel:
         self.partial_w = {f: np.zeros(shape(f)) for f in self.combos}
         # How many rounds informed each point (seen whole, or at all), forgotten as slowly as the
         # calibration: the support of its prediction (the averages' weights cannot say it, a new
-        # request's first round weighs most of them).
+        # request's first round weighs half of them).
         self.count_decay = decay
         self.full_n = {f: np.zeros(shape(f)) for f in self.combos}
         self.partial_n = {f: np.zeros(shape(f)) for f in self.combos}
@@ -289,11 +283,10 @@ class AcceptanceModel:
         full = ((self.sizes[None, :] - 1 <= have[:, None]) & (ms <= obs_m)[:, None] & (ks <= obs.top_k)[:, None]
                 & informed[:, None])  # [C, S]
         part = np.broadcast_to(informed[:, None], full.shape)
-        # After restart_averages the rounds weigh as a plain mean with the past as PAST_WEIGHT rounds
-        # (0.8, 0.44, 0.31, ...) until that falls to `ema`: a new request's scores replace the old
-        # traffic's quickly.
+        # After restart_averages the rounds weigh as a plain mean with the past as one of them (1/2,
+        # 1/3, ...) until that falls to `ema`: a new request's scores replace the old traffic's quickly.
         self._fresh[fam] += 1
-        a = max(self.ema, 1.0 / (self._fresh[fam] + PAST_WEIGHT))
+        a = max(self.ema, 1.0 / (self._fresh[fam] + 1))
         if full[0, 0]:  # the reference point (smallest M, K and N) beside every point this round saw whole
             ref = self.full_ref[fam]
             ref[full] = (1 - a) * ref[full] + a * stats[0, 0]

@@ -654,9 +654,8 @@ def test_hindsight_labels_follow_the_committed_path():
 
 
 def test_a_new_request_replaces_the_old_traffics_averages_quickly():
-    """After restart_averages the next rounds form a plain mean with the past as a quarter of a round
-    (then the moving average): four rounds of a confident request move the expected tokens most of
-    the way to it."""
+    """After restart_averages the next rounds weigh 1/2, 1/3, ... against the past (then the moving
+    average): four rounds of a confident request move the expected tokens most of the way to it."""
     rng = np.random.default_rng(11)
     model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
     shy = lambda: Observation("treeflash", np.full(31, -6.0), np.zeros(0, bool), 1, 8,  # noqa: E731
@@ -680,14 +679,14 @@ def test_a_new_request_replaces_the_old_traffics_averages_quickly():
         only_sure.observe(sure())
     high = only_sure.expected(s)
     assert high > low + 1.0
-    assert model.expected(s) - low >= 0.9 * (high - low)  # the past weighs 0.25 / 4.25 after four rounds
+    assert model.expected(s) - low >= 0.75 * (high - low)  # the past weighs 1/5 after four rounds
     assert slow.expected(s) - low <= 0.3 * (high - low)  # the moving average alone: about 1 - 0.95^4
 
 
 def test_support_counts_rounds_even_when_a_new_request_weighs_its_first_rounds_more():
     model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
     rng = np.random.default_rng(12)
-    model.restart_averages()  # the first round then weighs most of the average, but it is one round
+    model.restart_averages()  # the first round then weighs half of the average, but it is one round
     obs, _ = synthetic_round(rng, 8, 8, 1.0)
     model.observe(obs)
     assert model.support(Setting("treeflash", 8, 1, 8)) == pytest.approx(1.0)
