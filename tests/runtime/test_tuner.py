@@ -17,6 +17,7 @@ from treeflash_export.errors import ConfigError
 from treeflash_runtime.tuner import (PLAIN, AcceptanceModel, AutoTuner, BucketCosts, CostCache, CostKey, CostModel,
                                      Grid, Observation, RequestStream, Setting, candidate_settings, choose,
                                      default_grid, measure, pair_fingerprint, parse_auto, resolve_settings)
+from treeflash_runtime.tuner.acceptance import Calibrator, bins_of
 from treeflash_runtime.tuner.cost import interpolate
 from treeflash_runtime.tuner.policy import can_pay
 
@@ -327,6 +328,26 @@ def test_a_request_stream_blends_its_own_rates():
         model.observe(Observation("treeflash", obs.scores, best, 1, 8, m_rank=obs.m_rank, k_rank=obs.k_rank), stream)
     s = Setting("treeflash", 16, 1, 8)
     assert model.expected(s, stream) > model.expected(s) + 0.5
+
+
+def test_a_request_needs_more_than_one_lucky_node_in_a_rare_bin():
+    """A request's prior in a bin is worth at least two accepted nodes of the deployment's rate: one
+    accepted node of two in a bin the deployment accepts 2% of the time leaves it near 2% (with a
+    prior of 4 nodes it was 18%), while in a bin accepted half the time the request's own eight
+    misses still move it most of the way down."""
+    deployment, request = Calibrator(), Calibrator()
+    rare, common = -4.5, -0.7  # bins the deployment accepts about 2% and 50% of the time
+    deployment.update(np.full(1000, rare), np.arange(1000) < 20)
+    deployment.update(np.full(1000, common), np.arange(1000) < 500)
+    request.update(np.full(2, rare), np.array([True, False]))
+    request.update(np.full(8, common), np.zeros(8, bool))
+    alpha, beta = request.coefficients(deployment, RequestStream().blend)
+    k = bins_of(np.array([rare, common]))
+    p_rare, p_common = alpha[k] + beta[k] * np.exp([rare, common])
+    g_rare, g_common = deployment.probability(np.array([rare, common]))
+    assert g_rare == pytest.approx(0.02, abs=0.005) and g_common == pytest.approx(0.5, abs=0.02)
+    assert p_rare < 0.05
+    assert p_common < 0.5 * g_common
 
 
 def test_chain_estimate_is_the_product_of_per_depth_rates():
