@@ -193,8 +193,8 @@ class Grid:
     verify_nodes (4, 8, 16, 32, 64): every tree size the tuner chooses from (and the chain's B). A
         verifier pass is not affine in the nodes: on the 2-core CPU the demo pair's 4-node pass took
         as long as its 8-node one (59 and 58 ms; the matrix kernels change with the rows), so the
-        8-node pass interpolated between 4 and 16 came out 6 ms (a tenth of it) too slow, and the
-        tuner preferred 16 nodes where 8 paid better. Flat then rising on a GPU.
+        8-node pass interpolated between 4 and 16 came out 6 ms (a tenth of it) too slow, a bias
+        towards larger trees where N = 8 paid best. Flat then rising on a GPU.
     tree_sizes (4, 16, 64): the tree build is small next to the passes; three points bracket it.
     expand_m (1, 4, 16) at K = expand_k (16): the expansion's cost is (B-1) x M rows through the LM
         head; K only sizes a top-K, so one (the largest, an upper bound) is measured.
