@@ -53,6 +53,7 @@ NBINS = len(BIN_EDGES) + 1
 # A score within each bin, where a request's prior strength reads the deployment's probability (see
 # Calibrator.coefficients): the middle of each inner bin, a point inside each outer one.
 BIN_MIDS = np.concatenate([[BIN_EDGES[0] - 1.0], (BIN_EDGES[:-1] + BIN_EDGES[1:]) / 2, [BIN_EDGES[-1] / 2]])
+_EXP_BIN_MIDS = np.exp(BIN_MIDS)
 PRIOR_ACCEPTED = 2.0  # a request's prior in a bin is worth at least this many accepted nodes
 MAX_BLEND = 2000.0  # ... and at most this many nodes (a bin almost never accepted)
 PRIOR_FIT_BELOW = -0.5  # the nodes the prior's scale is fitted on (near-certain ones say little)
@@ -132,7 +133,7 @@ class Calibrator:
             b = self.s * self.prior_scale / (self.seen + self.s)
             return a, b
         ga, gb = outer.coefficients()
-        p = np.clip(ga + gb * np.exp(BIN_MIDS), PRIOR_ACCEPTED / MAX_BLEND, 1.0)
+        p = np.clip(ga + gb * _EXP_BIN_MIDS, PRIOR_ACCEPTED / MAX_BLEND, 1.0)
         strength = np.maximum(blend, PRIOR_ACCEPTED / p)
         denom = self.seen + strength
         return (self.acc + strength * ga) / denom, strength * gb / denom
