@@ -138,8 +138,8 @@ class Calibrator:
         denom = self.seen + strength
         return (self.acc + strength * ga) / denom, strength * gb / denom
 
-    def probability(self, scores: np.ndarray, outer: "Calibrator | None" = None) -> np.ndarray:
-        a, b = self.coefficients(outer)
+    def probability(self, scores: np.ndarray, outer: "Calibrator | None" = None, blend: float = 16.0) -> np.ndarray:
+        a, b = self.coefficients(outer, blend)
         k = bins_of(scores)
         return np.clip(a[k] + b[k] * np.exp(np.minimum(scores, 0.0)), 0.0, 1.0)
 
@@ -336,7 +336,9 @@ class AcceptanceModel:
         fam = _family(obs.mode)
         outer = self.calibrators[fam]
         cal = outer if stream is None else stream.calibrators[fam]
-        p = cal.probability(scores[elig][: max(n - 1, 0)], None if stream is None else outer)
+        # A request's counts blend with the deployment's as in the choice (RequestStream.blend).
+        p = cal.probability(scores[elig][: max(n - 1, 0)], None if stream is None else outer,
+                            16.0 if stream is None else stream.blend)
         return 1.0 + float(p.sum())
 
     def expected(self, s: Setting, stream: RequestStream | None = None, block_size: int | None = None) -> float | None:

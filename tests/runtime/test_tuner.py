@@ -330,6 +330,28 @@ def test_a_request_stream_blends_its_own_rates():
     assert model.expected(s, stream) > model.expected(s) + 0.5
 
 
+def test_one_rounds_prediction_blends_a_request_as_the_choice_does():
+    """expected_tokens for a request uses the request's own blend: a request whose prior is worth
+    very many nodes predicts as the deployment does, whatever its own rounds said, and one with the
+    default blend follows its own (a perfect path) upwards."""
+    rng = np.random.default_rng(5)
+    model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(8,))
+    for _ in range(100):
+        model.observe(synthetic_round(rng, 16, 8, 1.5)[0])
+    firm, usual = RequestStream(blend=1e9), RequestStream()
+    for _ in range(30):
+        obs, _ = synthetic_round(rng, 16, 8, 1.5)
+        best = np.zeros(len(obs.scores), bool)
+        best[obs.k_rank == 0] = True
+        lucky = Observation("treeflash", obs.scores, best, 1, 8, m_rank=obs.m_rank, k_rank=obs.k_rank)
+        for stream in (firm, usual):
+            model.observe(lucky, stream)
+    obs, _ = synthetic_round(rng, 16, 8, 1.5)
+    deployment = model.expected_tokens(obs, 16)
+    assert model.expected_tokens(obs, 16, stream=firm) == pytest.approx(deployment, rel=1e-6)
+    assert model.expected_tokens(obs, 16, stream=usual) > deployment + 0.5
+
+
 def test_a_request_needs_more_than_one_lucky_node_in_a_rare_bin():
     """A request's prior in a bin is worth at least two accepted nodes of the deployment's rate: one
     accepted node of two in a bin the deployment accepts 2% of the time leaves it near 2% (with a
