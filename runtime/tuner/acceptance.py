@@ -333,12 +333,11 @@ class AcceptanceModel:
             elig &= np.asarray(obs.m_rank) < top_m
         if top_k is not None and obs.k_rank is not None:
             elig &= np.asarray(obs.k_rank) < top_k
-        fam = _family(obs.mode)
+        fam, nodes = _family(obs.mode), scores[elig][: max(n - 1, 0)]
         outer = self.calibrators[fam]
-        cal = outer if stream is None else stream.calibrators[fam]
         # A request's counts blend with the deployment's as in the choice (RequestStream.blend).
-        p = cal.probability(scores[elig][: max(n - 1, 0)], None if stream is None else outer,
-                            16.0 if stream is None else stream.blend)
+        p = outer.probability(nodes) if stream is None else \
+            stream.calibrators[fam].probability(nodes, outer, stream.blend)
         return 1.0 + float(p.sum())
 
     def expected(self, s: Setting, stream: RequestStream | None = None, block_size: int | None = None) -> float | None:
