@@ -228,6 +228,11 @@ class TorchRunner(Runner):
         self.keep_context = False
         # Set by the self-tuning tree for a plain step: the tree to draft and score (not verify) after it.
         self.probe_tree: TreeConfig | None = None
+        # Set by the self-tuning tree with graphs on: False runs a round whose graph is not captured yet
+        # eagerly instead (an exploration round: a setting tried once or a few times is not worth a
+        # capture). ran_eagerly: whether the last round did (its time is not a replay's).
+        self.capture_now = True
+        self.ran_eagerly = False
         self.compiled = bool(compile)
         if self.compiled:
             self._compile_steps()
@@ -465,11 +470,16 @@ class TorchRunner(Runner):
         tokens (empty for inactive slots)."""
         b = self.bucket_for(occupied)
         kind = max(self.host_kind[:occupied])
+        self.ran_eagerly = False
         if self.use_graphs:
             key = self._round_key(b, kind)
-            if key not in self._graphs:
-                self._capture_round(b, kind)
-            self._graphs[key]()
+            if key in self._graphs or self.capture_now:
+                if key not in self._graphs:
+                    self._capture_round(b, kind)
+                self._graphs[key]()
+            else:  # not captured and not worth capturing yet: the captured form, eagerly (bound 0)
+                self.ran_eagerly = True
+                self._round(b, self._bucket_tree(b), kind)
         else:  # eagerly the reference attention stops at the longest slot plus this round's tree or the
             # drafter's block (compiled: one shape); a plain step under a 64-node deployment looked at 64
             # more keys than it has, about 2% of a plain step of the demo pair at 8 slots
@@ -896,7 +906,7 @@ class TorchRunner(Runner):
         """What a one-sequence generation needs (captured on its first begin): prefill and the round."""
         if ("prefill", 1) not in self._graphs:
             self._capture_prefill(1)
-        if self._round_key(b, kind) not in self._graphs:
+        if self.capture_now and self._round_key(b, kind) not in self._graphs:
             self._capture_round(b, kind)
 
     def capture_all(self) -> None:

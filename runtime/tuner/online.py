@@ -287,6 +287,9 @@ class TreeTuner:
         nodes and plain decoding rounds keep the drafter's context (but see _context), until `release`."""
         self.auto.cost.buckets  # noqa: B018 (measures or reads the cache now)
         runner.observing = runner.keep_context = True
+        # With graphs, an exploration round runs eagerly (runner.capture_now); the generation's first
+        # tree was chosen before this.
+        runner.capture_now = not (self.captures and self.auto.exploring)
         self._runner = runner
         self._rounds = 0
         self._probe_rounds = {"plain": 0, "family": 0}
@@ -298,6 +301,7 @@ class TreeTuner:
         """The runner's extra work for the tuner off again."""
         runner.observing = runner.keep_context = False
         runner.probe_tree = None
+        runner.capture_now = True
         self._runner = None
         self.stream = None
         self._requests = {}
@@ -322,6 +326,8 @@ class TreeTuner:
                         self._requests[k][2] = True
             self.without_context += 1
             self.used[PLAIN] += 1
+            if self._runner is not None:
+                self._runner.capture_now = True
             return self._config(PLAIN)
         alone = self._requests.get(requests[0]) if requests is not None and len(requests) == 1 else None
         if requests is None:
@@ -333,6 +339,11 @@ class TreeTuner:
             s = self._context(s, bucket, requests)
         self.current = s
         self._probe = None
+        if self._runner is not None and self.captures:
+            # An exploration round (a seed, a refresh, a neighbour tried once) runs eagerly when its graph
+            # is not captured yet: on a GPU a capture costs tens of rounds (and far more where its
+            # kernels compile first), which a setting tried once never pays back. The choice is captured.
+            self._runner.capture_now = not self.auto.exploring
         if self._runner is not None and not self.captures:
             self._rounds += 1
             if alone is not None:
@@ -412,10 +423,12 @@ class TreeTuner:
 
     def round_took(self, seconds: float, bucket: int = 1) -> None:
         """The wall-clock time of the round that just ran (corrects the cost model's predictions). With
-        CUDA graphs the first round of each setting and bucket is left out: it captures the graph; a
-        round that also ran a score probe is left out too."""
+        CUDA graphs the first round of each setting and bucket is left out: it captures the graph; so is
+        an exploration round run eagerly (see next_tree), and a round that also ran a score probe."""
         if self._probe is not None or self._held_round:  # the probe's work is not the setting's; held: no need
             return
+        if self._runner is not None and getattr(self._runner, "ran_eagerly", False):
+            return  # an exploration round run eagerly on a graph runner: not the replay's time
         # Plain steps with and without the drafter's context (see _context) are two captured graphs.
         key = (bucket, self.current, self._runner is not None and self._runner.keep_context)
         if self.current is not None and (key in self._timed or not self.captures):

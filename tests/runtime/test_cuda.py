@@ -139,3 +139,37 @@ def test_cuda_graph_stage_times_leave_the_generation_unchanged(pair_dirs):
             tokens += runner.round()
         streams.append(tokens)
     assert streams[0] == streams[1]
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["deployment-tree", "self-tuning"])
+def test_cuda_slots_fp32_each_request_equals_its_own_greedy(pair_dirs, tmp_path, tuned):
+    """Request slots on CUDA, every bucket's graphs captured at start-up, five requests through three
+    slots joining as others leave: each equals its own greedy decoding. Self-tuning (cheap trees by
+    hand, so that trees are explored and chosen): exploration rounds run eagerly on the graph runner,
+    the choices are captured mid-stream, and the output is the same."""
+    from test_tuning import _sources, costs, tuner_for
+
+    from treeflash_runtime.serving.engine import Engine, Request
+    from treeflash_runtime.tuner.cost import CostModel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    d = pair_dirs["qwen3"]
+    pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.float32)
+    runner = TorchRunner(pair.verifier, pair.drafter, max_batch=3, capacity=128,
+                         tree=TreeConfig(mode="treeflash", tree_size=16, top_m=4, top_k=8))
+    assert runner.use_graphs and ("round", 3, runner._bucket_tree(3), GREEDY, False, False) in runner._graphs
+    tuner = None
+    if tuned:
+        cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
+        tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, cheap)
+    engine = Engine(runner, tuner=tuner)
+    texts = PROMPTS + ["x = [i * i for i in range(10)]", "Once upon a time"]
+    prompts = [pair.tokenizer(t)["input_ids"] for t in texts]
+    budgets = [24, 10, 18, 32, 14]
+    requests = [Request(ids, SamplingConfig(max_new_tokens=n)) for ids, n in zip(prompts, budgets)]
+    engine.run(requests)
+    for r, ids, n in zip(requests, prompts, budgets):
+        assert r.tokens == _greedy(pair.verifier, ids, n), r.tokens
+    if tuned:
+        used = tuner.report()["settings_used"]
+        assert len(used) >= 2 and any(not label.startswith("ar") for label in used), used

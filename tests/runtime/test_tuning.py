@@ -314,6 +314,51 @@ def test_with_graphs_the_probe_times_a_replay_of_each_part(load):
     assert c.ar > 0 and set(c.verify) == set(grid.verify_nodes) and c.expand["chain"] > 0
 
 
+def test_with_graphs_exploration_rounds_run_eagerly_and_only_choices_are_captured(load, pair_dirs, tmp_path):
+    """On a GPU a capture costs tens of rounds (far more where its kernels compile first), and the
+    tuner tries many settings once or a few times. So with graphs on, a round whose graph is not
+    captured yet runs eagerly when it is an exploration round, and is not timed (an eager round is not
+    the replay the cost model predicts); the choices are captured and replayed. Output stays exact."""
+    from test_device_round import EagerReplay
+
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    runner.use_graphs = True
+    captured = []
+
+    def capture(fn, args, reset):
+        captured.append(fn)
+        return EagerReplay(fn, args)
+
+    runner._capture = capture
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree_part=1.0))
+    assert tuner.captures
+    rounds, timed = [], []
+    step, observe_time = runner.step, tuner.auto.observe_time
+
+    def spy_step(occupied):
+        before = len(captured)
+        out = step(occupied)
+        rounds.append((tuner.auto.exploring, runner.ran_eagerly, len(captured) > before, runner.tree))
+        return out
+
+    def spy_time(s, bucket, ms):
+        timed.append(len(rounds))
+        observe_time(s, bucket, ms)
+
+    runner.step, tuner.auto.observe_time = spy_step, spy_time
+    res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=40), tuner=tuner)
+    assert res.token_ids == hf_greedy(pair.verifier, ids, 40)
+    assert any(eager for _, eager, _, _ in rounds)  # the seeds at least
+    assert all(exploring for exploring, eager, _, _ in rounds if eager)
+    assert not any(new for exploring, _, new, _ in rounds if exploring)  # no capture for an exploration
+    assert any(new for _, _, new, _ in rounds)  # the choice is captured
+    eager_rounds = {i + 1 for i, (_, eager, _, _) in enumerate(rounds) if eager}
+    assert timed and not eager_rounds & set(timed)
+    assert runner.capture_now  # back to capturing once the generation ends
+
+
 def test_a_round_reports_a_tree_twice_its_size_and_labels_only_what_it_verified(load, monkeypatch):
     """With the self-tuning tree observing, a round at N = 8 reports the 16-node tree of the same tables:
     its best 7 nodes are the verified tree's (same scores, same labels from verification, the rest
