@@ -66,9 +66,9 @@ test-oldest:
 
 # On a GPU machine whose Python already has a CUDA torch (no network needed): install the project
 # into that Python, then run the tests or the real-shape benchmark. Each target fits in one
-# 10-minute call of a lent machine: gpu-test (the GPU-specific tests, stopping at the first
-# failure), gpu-test-rest (the rest of the suite, on every core), gpu-bench (fast kernels on and
-# off, every mode, prompts 512 and 8,192),
+# 10-minute call of a lent machine: gpu-test (the GPU-specific tests, every failure spelt out at the
+# end: a lent machine's minutes are few, so one run should show them all), gpu-test-rest (the rest
+# of the suite, on every core), gpu-bench (fast kernels on and off, every mode, prompts 512 and 8,192),
 # gpu-startup (seconds before the first token, cold and warm), gpu-bench-compile (torch.compile
 # over the modules: plain decoding and TreeFlash N = 64 only).
 GPU_OUT ?= artifacts/gpu
@@ -90,7 +90,7 @@ gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile: .SHELLFLAGS 
 
 gpu-test: gpu-install
 	mkdir -p $(GPU_OUT)
-	$(PYTHON) -m pytest -q -x -rs -m "not tritonserver" $(GPU_TESTS) 2>&1 | tee $(GPU_OUT)/gpu-tests.txt
+	$(PYTHON) -m pytest -q -rfEs --tb=short -m "not tritonserver" $(GPU_TESTS) 2>&1 | tee $(GPU_OUT)/gpu-tests.txt
 
 # The rest of the suite on the GPU machine, on all its cores (the CPU suite pins 2 threads).
 gpu-test-rest: gpu-install

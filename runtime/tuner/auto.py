@@ -25,8 +25,9 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
   setting of another family (or, while plain decoding is chosen, the best tree), so estimates of
   what is not being run stay current; the interval doubles (up to `max_explore_every`) while
   refreshing changes nothing, and a refresh waits until its round costs at most `explore_share`
-  (5%) of the time spent since the last one (a tree round of 8 slots may cost several plain ones),
-  and it is skipped when its setting is predicted below `refresh_floor` (75%) of the choice's rate
+  (5%) of the time spent since the last one (a tree round of 8 slots may cost several plain ones;
+  with CUDA graphs an exploration round runs eagerly, outside the graphs, and costs what such rounds
+  were seen to take: on an H200 at Qwen3-8B's shapes far more than a replay), and it is skipped when its setting is predicted below `refresh_floor` (75%) of the choice's rate
   (which doubles the interval too, as a refresh that changed nothing would).
 - choosing seldom: the choice is made again only when a round has been observed, the current
   setting changed, the request changed or the cost corrections moved (5%); while plain decoding
@@ -138,6 +139,10 @@ class AutoTuner:
         self.choices: dict[int, Choice] = {}
         self.rounds = 0
         self.explored: Counter = Counter()  # why exploration rounds ran: seed, grow, refresh
+        self.explore_reason: str | None = None  # why the last setting() explored (None: the choice)
+        # bucket -> wall ms of an exploration round run outside the captured graphs (observed; see
+        # observe_outside_time), which refreshes budget their share of time at
+        self.outside_ms: dict[int, float] = {}
         self._gap: dict[int, int] = {}  # bucket -> rounds between refreshes
         self._since: Counter = Counter()  # bucket -> rounds since the last refresh
         self._refreshed: dict[int, Setting] = {}  # bucket -> the choice when a refresh ran
@@ -333,7 +338,7 @@ class AutoTuner:
     def setting(self, bucket: int = 1, stream: RequestStream | None = None) -> Setting:
         """The setting to run next at this batch bucket (``exploring`` says whether it is an exploration
         round rather than the choice)."""
-        self.exploring = False
+        self.exploring, self.explore_reason = False, None
         seed = self._seed_round(bucket)
         if seed is not None:
             return self._explore("seed", seed)
@@ -367,7 +372,7 @@ class AutoTuner:
                 self._due[bucket] = due
             refresh = self._due[bucket]
             spent = self._since[bucket] * self.cost.round_ms(choice.setting, bucket)
-            if refresh is not None and self.cost.round_ms(refresh, bucket) > self.explore_share * spent:
+            if refresh is not None and self.exploration_ms(refresh, bucket) > self.explore_share * spent:
                 refresh = None
             else:
                 self._since[bucket] = 0
@@ -433,8 +438,20 @@ class AutoTuner:
 
     def _explore(self, reason: str, s: Setting) -> Setting:
         self.explored[reason] += 1
-        self.exploring = True
+        self.exploring, self.explore_reason = True, reason
         return s
+
+    def exploration_ms(self, s: Setting, bucket: int) -> float:
+        """What an exploration round at s costs: its predicted round, or, where such rounds run outside
+        the captured graphs, what they were seen to take, whichever is more."""
+        return max(self.cost.round_ms(s, bucket), self.outside_ms.get(bucket, 0.0))
+
+    def observe_outside_time(self, bucket: int, ms: float) -> None:
+        """How long an exploration round run outside the captured graphs took (on a GPU an eager round
+        of a large model costs tens of replays): later refreshes at this bucket wait until that cost is
+        at most `explore_share` of the time since the last one."""
+        old = self.outside_ms.get(bucket)
+        self.outside_ms[bucket] = ms if old is None else 0.7 * old + 0.3 * ms
 
     def _confirm_setting(self, choice: Choice, bucket: int) -> Setting | None:
         """The tree that a confirming round runs now (see the module's notes), else None."""

@@ -342,8 +342,9 @@ class TreeTuner:
         if self._runner is not None and self.captures:
             # An exploration round (a seed, a refresh, a neighbour tried once) runs eagerly when its graph
             # is not captured yet: on a GPU a capture costs tens of rounds (and far more where its
-            # kernels compile first), which a setting tried once never pays back. The choice is captured.
-            self._runner.capture_now = not self.auto.exploring
+            # kernels compile first), which a setting tried once never pays back. The choice is captured,
+            # and so is a confirming round's tree (it recurs, and is predicted to beat plain decoding).
+            self._runner.capture_now = not self.auto.exploring or self.auto.explore_reason == "confirm"
         if self._runner is not None and not self.captures:
             self._rounds += 1
             if alone is not None:
@@ -428,7 +429,10 @@ class TreeTuner:
         if self._probe is not None or self._held_round:  # the probe's work is not the setting's; held: no need
             return
         if self._runner is not None and getattr(self._runner, "ran_eagerly", False):
-            return  # an exploration round run eagerly on a graph runner: not the replay's time
+            # An exploration round run eagerly on a graph runner: not the replay's time, but what
+            # exploring costs here (refreshes budget their share of time with it).
+            self.auto.observe_outside_time(bucket, 1000.0 * seconds)
+            return
         # Plain steps with and without the drafter's context (see _context) are two captured graphs.
         key = (bucket, self.current, self._runner is not None and self._runner.keep_context)
         if self.current is not None and (key in self._timed or not self.captures):

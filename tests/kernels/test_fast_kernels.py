@@ -135,15 +135,21 @@ def test_fast_kernels_16_bit_cuda_track_the_modules(dtype):
     got, want = lo.add_rms_norm_triton(x, d, w, 1e-6), lo.add_rms_norm_reference(x, d, w, 1e-6)
     assert torch.equal(got[0], want[0])
     assert (got[1] != want[1]).float().mean() < 0.01
-    qkv, qw, kw, cos, sin, cache = qkv_problem(64, 32, 8, 128, 256, dtype=dtype)
-    c1, c2 = cache.clone(), cache.clone()
-    slots = torch.arange(64, device="cuda") + 100
-    q1 = lo.qk_norm_rope_triton(qkv, qw, kw, 1e-6, cos, sin, c1[0], c1[1], slots, 32)
-    q2 = lo.qk_norm_rope_reference(qkv, qw, kw, 1e-6, cos, sin, c2[0], c2[1], slots, 32)
-    assert (q1 != q2).float().mean() < 0.02 and (c1 != c2).float().mean() < 0.02
-    assert (q1.float() - q2.float()).abs().max() < 0.1
     gu = randn(64, 2 * 12288, seed=5, dtype=dtype)
     assert (lo.silu_mul_triton(gu) != lo.silu_mul_reference(gu)).float().mean() < 0.01
+    # The per-head norm and RoPE apart and together, so that a failure says which part departs (on an
+    # H200, 2026-11-26, about 21% of q's elements differed by 1-3 rounding steps, parts not yet told apart).
+    qkv, qw, kw, cos, sin, cache = qkv_problem(64, 32, 8, 128, 256, dtype=dtype)
+    seen = {}
+    for part, (w1, w2, c, s) in {"norm": (qw, kw, torch.ones_like(cos), torch.zeros_like(sin)),
+                                 "rope": (None, None, cos, sin), "both": (qw, kw, cos, sin)}.items():
+        c1, c2 = cache.clone(), cache.clone()
+        slots = torch.arange(64, device="cuda") + 100
+        q1 = lo.qk_norm_rope_triton(qkv, w1, w2, 1e-6, c, s, c1[0], c1[1], slots, 32)
+        q2 = lo.qk_norm_rope_reference(qkv, w1, w2, 1e-6, c, s, c2[0], c2[1], slots, 32)
+        seen[part] = ((q1 != q2).float().mean().item(), (c1 != c2).float().mean().item(),
+                      (q1.float() - q2.float()).abs().max().item())
+    assert all(q < 0.02 and k < 0.02 and top < 0.1 for q, k, top in seen.values()), seen  # (q, cache, max)
 
 
 @needs_triton

@@ -4,6 +4,7 @@ reference, a round that reads no host value, and the cache-size check."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -492,19 +493,23 @@ def test_attention_kernels_compile_for_hopper(dtype):
 def test_a_head_dim_the_kernel_cannot_compile_goes_to_the_reference():
     """Head dim 8 (the small test pairs): Triton's NVIDIA backend refuses tl.dot below 16, so the kernel
     does not compile for sm_90; kernel_fits says so, and the dispatcher, even where the kernels run
-    (here: the interpreter), answers from the reference for 8 and for a head dim that is no power of two."""
+    (here: on a GPU, else in the interpreter), answers from the reference for 8 and for a head dim that
+    is no power of two."""
     from conftest import compile_for_hopper
+    from treeflash_kernels import ops  # noqa: F401 (registers torch.ops.treeflash; the test may run alone)
     from treeflash_kernels.mlp_expand import interpreted_on_cpu
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU machine does not set TRITON_INTERPRET
 
     with pytest.raises(AssertionError, match="dot|16"):
         compile_for_hopper("treeflash_kernels.tree_attention", _attention_kernels("bf16", 8))
     assert not ta.kernel_fits(8) and not ta.kernel_fits(24) and ta.kernel_fits(16) and ta.kernel_fits(128)
     for D in (8, 24):
         g = torch.Generator().manual_seed(D)
-        q = torch.randn(2, 4, 3, D, generator=g)
-        k, v = (torch.randn(2, 2, 12, D, generator=g) for _ in range(2))
-        past, mask = torch.tensor([5, 2]), torch.ones(2, 3, 3, dtype=torch.bool).tril()
-        with interpreted_on_cpu():
+        q = torch.randn(2, 4, 3, D, generator=g).to(dev)
+        k, v = (torch.randn(2, 2, 12, D, generator=g).to(dev) for _ in range(2))
+        past, mask = torch.tensor([5, 2], device=dev), torch.ones(2, 3, 3, dtype=torch.bool, device=dev).tril()
+        with contextlib.nullcontext() if dev == "cuda" else interpreted_on_cpu():
             got = torch.ops.treeflash.tree_attention(q, k, v, past, mask)
         assert torch.equal(got, ta.tree_attention_reference(q, k, v, past, mask))
 

@@ -573,6 +573,39 @@ def test_refreshes_back_off_while_they_change_nothing():
     assert tuner.explored["refresh"] == 0 and picked[-1] == PLAIN
 
 
+def test_refreshes_budget_the_cost_of_rounds_run_outside_the_graphs():
+    """With CUDA graphs an exploration round runs eagerly, and on a GPU that costs far more than the
+    replay the cost model predicts. Once such rounds are seen to take 40 plain steps, a refresh waits
+    until that is at most 5% of the time since the last one: about one in 800 rounds, where the
+    replay's prediction alone would allow one in about 60."""
+    cands = candidate_settings(("ar", "treeflash"), B, fixed={"top_m": 1}, top_ks=(4, 8))
+    dear = CostModel({1: BucketCosts(ar=10, draft=5, verify={4: 14, 64: 80}, expand={(1, 8): 8}, tree={4: 1, 64: 2},
+                                     other=1)})
+    counts = []
+    for outside in (None, 400.0):
+        rng = np.random.default_rng(5)
+        tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B, explore_every=8,
+                          max_explore_every=64, refresh_floor=0.0)
+        if outside is not None:
+            tuner.observe_outside_time(1, outside)
+            assert tuner.exploration_ms(Setting("treeflash", 4, 1, 4), 1) == outside
+        picked = run_rounds(tuner, rng, 2000, alpha=3.0)
+        refreshes = [i for i, s in enumerate(picked) if s.mode != "ar"][tuner.explored["seed"]:]
+        counts.append(len(refreshes))
+        if outside is not None:
+            assert refreshes and min(np.diff(refreshes), default=800) >= 799, refreshes
+            assert len(refreshes) * outside <= 0.06 * 10.0 * len(picked)
+    assert counts[0] >= 5 * counts[1], counts
+    # The observed cost follows later rounds (an average), and never undercuts the prediction.
+    tuner = AutoTuner(dear, AcceptanceModel(top_ms=(1,), top_ks=(4, 8)), cands, B)
+    tuner.observe_outside_time(1, 400.0)
+    tuner.observe_outside_time(1, 100.0)
+    assert tuner.outside_ms[1] == pytest.approx(310.0)
+    tuner.observe_outside_time(1, 0.0)
+    s = Setting("treeflash", 64, 1, 8)
+    assert tuner.exploration_ms(s, 1) == max(dear.round_ms(s, 1), tuner.outside_ms[1])
+
+
 def test_m_and_k_settle_and_then_only_n_moves():
     rng = np.random.default_rng(6)
     cands = candidate_settings(("ar", "treeflash"), B, top_ms=(1, 2), top_ks=(4, 8))
