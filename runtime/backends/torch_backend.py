@@ -89,7 +89,8 @@ class RoundState:
     root      [M] int64   the last emitted token: node 0 of the next tree, at position past_len
     pending   [M, R, F]   verifier features of the tokens the last round committed, still to enter
                           the drafter's cache (positions past_len - pending_count ..); R = B, or
-                          PREFILL_CHUNK eagerly on the CPU (plain steps append to it, see _keep_context)
+                          PREFILL_CHUNK eagerly on the CPU (plain steps append to it, see _keep_context;
+                          with CUDA graphs they append until the B rows are full)
     pending_count [M] int64
     out       [M, B + 1] int64  out[m, 0] = tokens gained by slot m in the last call, then the tokens
     active    [M] bool    the round advances this slot (False: idle, or still being prefilled)
@@ -213,7 +214,9 @@ class TorchRunner(Runner):
         # up to PREFILL_CHUNK rows, so plain steps inside a tuned generation append their features and a
         # drafter pass takes many at once (see _keep_context); else the block's B rows.
         self.lazy_context = self.device.type == "cpu" and not compile
-        self._pending_bound: int | None = 0  # a host-side upper bound of pending_count (None: read it)
+        # A host-side upper bound of pending_count over the slots (None: unknown; eagerly it is then read,
+        # with graphs the next plain step with context flushes, see _flushes).
+        self._pending_bound: int | None = 0
         self._slot_rows = torch.arange(self.max_batch, device=self.device)
         self.state = self._allocate(tree, tree_size_by_batch)
         # The host's mirror of what it knows without reading the device: each slot's committed length
@@ -233,6 +236,7 @@ class TorchRunner(Runner):
         # capture). ran_eagerly: whether the last round did (its time is not a replay's).
         self.capture_now = True
         self.ran_eagerly = False
+        self.captured = False  # whether the last round captured a graph (its time is not a replay's)
         self.compiled = bool(compile)
         if self.compiled:
             self._compile_steps()
@@ -470,16 +474,24 @@ class TorchRunner(Runner):
         tokens (empty for inactive slots)."""
         b = self.bucket_for(occupied)
         kind = max(self.host_kind[:occupied])
-        self.ran_eagerly = False
+        self.ran_eagerly = self.captured = False
         if self.use_graphs:
-            key = self._round_key(b, kind)
+            key, tree = self._round_key(b, kind), self._bucket_tree(b)
+            flush, before = self._flushes(tree), self._pending_bound
             if key in self._graphs or self.capture_now:
                 if key not in self._graphs:
                     self._capture_round(b, kind)
+                    self.captured = True
                 self._graphs[key]()
             else:  # not captured and not worth capturing yet: the captured form, eagerly (bound 0)
                 self.ran_eagerly = True
-                self._round(b, self._bucket_tree(b), kind)
+                self._round(b, tree, kind, flush=flush)
+            # What the host knows of the pending counts after it (no read-back): a tree round leaves at
+            # most min(N, B); a plain step with the drafter's context appended one row, or flushed to one.
+            if tree.mode != "ar":
+                self._pending_bound = min(tree.tree_size, self.block_size)
+            elif self.keep_context and self.drafter is not None:
+                self._pending_bound = 1 if flush else before + 1  # flush is False only with a bound
         else:  # eagerly the reference attention stops at the longest slot plus this round's tree or the
             # drafter's block (compiled: one shape); a plain step under a 64-node deployment looked at 64
             # more keys than it has, about 2% of a plain step of the demo pair at 8 slots
@@ -497,11 +509,12 @@ class TorchRunner(Runner):
         chosen = self.bucket_trees.get(b)
         return chosen if chosen is not None else dataclasses.replace(self.tree, tree_size=self.tree_by_bucket[b])
 
-    def _round(self, b: int, tree: TreeConfig, kind: int, bound: int = 0) -> None:
+    def _round(self, b: int, tree: TreeConfig, kind: int, bound: int = 0, flush: bool = True) -> None:
         """draft -> expand -> build trees -> verify -> accept -> commit, for slots 0..b-1. The drafter
         and the verifier run once over all slots; the expansion and acceptance are the one-sequence
         functions mapped over the slots (torch.vmap: one batched call each), the tree build takes
-        the batch itself."""
+        the batch itself. flush: with graphs, whether a plain step's drafter context enters the
+        drafter's cache now (see _keep_context; the host decides, see _flushes)."""
         st = self.state
         kv = self._first(st.kv, b)
         P, root = st.past_len[:b], st.root[:b]
@@ -512,7 +525,7 @@ class TorchRunner(Runner):
                 y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + 1, kind)
             if self.keep_context and self.drafter is not None:
                 with self._stage("draft"):
-                    self._keep_context(b, feats, bound)
+                    self._keep_context(b, feats, bound, flush)
             with self._stage("accept"):
                 self._commit_plain(b, y[:, 0])
             if self.probe_tree is not None and self.observing and self.keep_context:
@@ -641,14 +654,24 @@ class TorchRunner(Runner):
         if seen is not None:  # the reported tree's nodes on the accepted path
             st.obs_accepted[:b, : seen[0].shape[1]] = on_accepted_path(Tree(*seen), drafts, tau)
 
-    def _keep_context(self, b: int, feats: torch.Tensor, bound: int) -> None:
+    def _keep_context(self, b: int, feats: torch.Tensor, bound: int, flush: bool = True) -> None:
         """Plain decoding inside a speculative generation: the step's own features join the pending
-        context, so a tree round may follow. Eagerly on the CPU they are appended while the pending
-        buffer (PREFILL_CHUNK rows) has room, with a host-side bound on the counts, and the next drafter
-        pass takes them all at once; on CUDA, where the round is one fixed-shape graph, the pending
-        context enters the drafter's cache now and the step's features replace it."""
+        context, so a tree round may follow. They are appended while the pending buffer has room, and
+        the next drafter pass takes them all at once: eagerly on the CPU the buffer holds PREFILL_CHUNK
+        rows and the host's bound on the counts decides here; with CUDA graphs it holds the block's B
+        rows and the host decided before choosing the graph (``flush``: two captured plain steps, one
+        that appends and one that flushes). Once it is full, the pending context enters the drafter's
+        cache and the step's features replace it. So a plain step runs the drafter once in B steps
+        rather than every step (on an H200 at Qwen3-8B's shapes a drafter pass is 16% of a plain step)."""
         st = self.state
         count, active = st.pending_count[:b], st.active[:b]
+        if self.use_graphs and not flush:
+            # Every slot's row `count` (clamped: an inactive slot may hold B rows; the host's bound keeps
+            # every active one below B); only active slots count it.
+            rows = count.clamp_max(st.pending.shape[1] - 1)
+            st.pending[self._slot_rows[:b], rows] = feats[:, 0].to(st.pending.dtype)
+            st.pending_count[:b] += active
+            return
         if self.lazy_context and not self.use_graphs:
             if self._pending_bound is None:
                 self._pending_bound = int(st.pending_count.max())
@@ -870,8 +893,20 @@ class TorchRunner(Runner):
 
     def _round_key(self, b: int, kind: int) -> tuple:
         """A round graph's key: bucket, tree setting (with the bucket's size) and sampling kind, never
-        sampling values (those are device data)."""
-        return ("round", b, self._bucket_tree(b), kind, self.observing, self.keep_context)
+        sampling values (those are device data); for a plain step with the drafter's context, whether it
+        appends or flushes."""
+        tree = self._bucket_tree(b)
+        key = ("round", b, tree, kind, self.observing, self.keep_context)
+        return key + ("flush",) if self._flushes(tree) else key
+
+    def _flushes(self, tree: TreeConfig) -> bool:
+        """Whether a captured plain step with the drafter's context runs the drafter over the pending
+        rows now: when they might not hold one more (the host's bound, no read-back). False for every
+        other round."""
+        if tree.mode != "ar" or not self.keep_context or self.drafter is None:
+            return False
+        bound = self._pending_bound
+        return bound is None or bound >= self.state.pending.shape[1]
 
     @contextlib.contextmanager
     def _scratch(self):
@@ -885,9 +920,10 @@ class TorchRunner(Runner):
 
     def _capture_round(self, b: int, kind: int) -> None:
         t0 = time.perf_counter()
-        tree = self._bucket_tree(b)
+        tree, key = self._bucket_tree(b), self._round_key(b, kind)
+        flush = self._flushes(tree)  # decided now: the scratch state put back below forgets the bound
         with self._scratch() as reset:
-            self._graphs[self._round_key(b, kind)] = self._capture(lambda: self._round(b, tree, kind), (), reset)
+            self._graphs[key] = self._capture(lambda: self._round(b, tree, kind, flush=flush), (), reset)
         self.log(f"captured a CUDA graph ({_describe(tree)}, {b} slot{'s' if b > 1 else ''}, "
                  f"{('greedy', 'sampling', 'sampling with top-p')[kind]}) in {time.perf_counter() - t0:.1f}s")
 

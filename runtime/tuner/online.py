@@ -428,6 +428,8 @@ class TreeTuner:
         an exploration round run eagerly (see next_tree), and a round that also ran a score probe."""
         if self._probe is not None or self._held_round:  # the probe's work is not the setting's; held: no need
             return
+        if self._runner is not None and getattr(self._runner, "captured", False):
+            return  # the round captured its graph (a plain step's second form, say): not a replay's time
         if self._runner is not None and getattr(self._runner, "ran_eagerly", False):
             # An exploration round run eagerly on a graph runner: not the replay's time, but what
             # exploring costs here (refreshes budget their share of time with it).

@@ -299,6 +299,51 @@ def test_the_graph_form_run_eagerly_is_exact(load, mode, fast_kernels):
     assert ("prefill", 1) in runner._graphs  # the captured path really ran
 
 
+def test_captured_plain_steps_keep_the_drafters_context_lazily(load):
+    """With graphs, a plain step inside a tuned generation appends its features to the pending rows and
+    runs the drafter only when the B rows are full (the host's bound picks one of two captured plain
+    steps, so nothing is read back): a drafter pass every B - 1 steps or so instead of every step. Tree
+    rounds after any number of plain steps still draft from the whole context: greedy output equals
+    transformers' own."""
+    from conftest import PROMPTS, hf_greedy
+
+    from treeflash_runtime.sampling import GREEDY
+
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    runner.use_graphs = True
+    runner._capture = lambda fn, args, reset: EagerReplay(fn, args)
+    B = runner.block_size
+    runner.state.pending = runner.state.pending[:, :B].clone()  # the CUDA form's B rows
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    want = hf_greedy(pair.verifier, ids, 60)
+    tree = TreeConfig(mode="treeflash", tree_size=8, top_m=2, top_k=4)
+    plain = TreeConfig(mode="ar")
+    calls = []
+    real = pair.drafter.model.forward_cached
+    pair.drafter.model.forward_cached = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        out = [runner.begin(torch.tensor(ids), tree, SamplingConfig())]
+        runner.keep_context = True
+        schedule = [plain] * 20 + [tree] * 3 + [plain] * (B + 3) + [tree] * 4 + [plain] * 3 + [tree] * 30
+        plain_passes = 0
+        for t in schedule:
+            if len(out) >= 60:
+                break
+            runner.set_tree(t)
+            before = len(calls)
+            out += runner.round()
+            if t.mode == "ar":
+                plain_passes += len(calls) - before
+    finally:
+        pair.drafter.model.forward_cached = real
+    assert out[:60] == want
+    plain_steps = 20 + B + 3 + 3
+    assert plain_passes <= 3 + plain_steps // (B - 1), (plain_passes, plain_steps)  # not one a step
+    plain_keys = {k for k in runner._graphs if k[0] == "round" and k[2].mode == "ar"}
+    assert {k[6:] for k in plain_keys} == {(), ("flush",)} and {k[3:6] for k in plain_keys} == {(GREEDY, False, True)}
+
+
 @pytest.mark.skipif(ta.triton is None, reason="triton is not installed (pip install triton)")
 def test_a_generation_through_every_triton_kernel_is_exact(load, monkeypatch):
     """On the CPU every custom op otherwise runs its PyTorch reference: here the layer kernels, tree
