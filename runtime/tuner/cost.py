@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import bisect
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from .setting import TREE_SIZES, Setting
 
 NAMED_EXPANSIONS = ("chain", "marginal")  # expansion costs kept by mode, not by (M, K)
+# A part whose measurement takes longer than this (its first call compiling kernels, on a GPU) says so.
+SLOW_PART_S = 3.0
 
 
 class Probe(Protocol):
@@ -276,9 +279,16 @@ def measure(probe: Probe, buckets: list[int], grid: Grid, log: Callable[[str], N
         scalars: dict[str, float] = {}
         for part, text, params in plan:
             done += 1
+            where = f"{text}{f' for {b} slots' if b != 1 else ''}"
             if log:
-                log(f"tuning: measuring {text}{f' for {b} slots' if b != 1 else ''} ({done}/{total})")
+                log(f"tuning: measuring {where} ({done}/{total})")
+            t0 = time.perf_counter()
             ms = 1000.0 * time_median(probe, part, b, params, repeats, part_budget_s)
+            took = time.perf_counter() - t0
+            if log and took > SLOW_PART_S:  # a stall the progress line alone would leave unexplained
+                log(f"tuning: {where} took {took:.1f} s to measure, most of it its first call (on a GPU, "
+                    f"kernels compiling for this shape and a graph captured; compiled kernels are cached for "
+                    f"later runs)")
             if part == "verify":
                 got["verify"][params["nodes"]] = ms
             elif part == "expand":

@@ -116,6 +116,29 @@ def test_measure_times_the_grid_with_progress_and_warm_up():
     assert again.buckets[1].expand == c1.expand
 
 
+def test_a_part_slow_to_measure_says_why(monkeypatch):
+    """On a fresh GPU a part's first call compiles kernels for its shape (the tree build at 64 nodes took
+    21.6 s on an H200): the progress line is followed by one that says what the wait was."""
+    import time
+
+    import treeflash_runtime.tuner.cost as cost_module
+
+    class CompilingProbe(FakeProbe):
+        def time_part(self, part, b, **params):
+            if part == "tree" and not any(c[0] == "tree" and c[2] == tuple(sorted((k, str(v)) for k, v in
+                                                                                 params.items()))
+                                          for c in self.calls):
+                time.sleep(0.06)  # the first call of each tree size
+            return super().time_part(part, b, **params)
+
+    monkeypatch.setattr(cost_module, "SLOW_PART_S", 0.05)
+    lines = []
+    measure(CompilingProbe(), [1], default_grid(("ar", "treeflash"), block_size=B), log=lines.append)
+    slow = [line for line in lines if "to measure" in line]
+    assert len(slow) == 3 and all(line.startswith("tuning: the tree build at ") and "kernels compiling" in line
+                                  for line in slow), lines
+
+
 def test_measure_stops_repeating_long_parts():
     probe = FakeProbe(slow=20.0)  # a plain step of 200 ms: the budget of 250 ms allows 2 timed calls
     measure(probe, [1], Grid(verify_nodes=(), chain=False, tree=False), repeats=5, part_budget_s=0.25)
