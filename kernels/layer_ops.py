@@ -163,7 +163,12 @@ def _need_triton():
 
 
 def _row_options(width: int) -> dict:
-    return {"num_warps": 1 if width <= 256 else 4 if width <= 2048 else 8}
+    """Launch options. FP contraction off: the kernels round where the modules do, and with it on the
+    compiler turns a 16-bit product followed by a sum into one fused multiply-add, skipping the
+    product's rounding (seen in the sm_90 PTX of qk_norm_rope: fma.rn.f16 for RoPE's two products and
+    their sum; on an H200 21% of q's elements then differed from the modules' by 1-3 rounding steps).
+    These kernels move bytes, so the unfused instructions should cost little; not timed on a GPU."""
+    return {"num_warps": 1 if width <= 256 else 4 if width <= 2048 else 8, "enable_fp_fusion": False}
 
 
 def add_rms_norm_triton(x, delta, weight, eps: float):

@@ -69,25 +69,29 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def compile_for_hopper(module: str, kernels: list[tuple[str, dict, dict, int]]) -> dict:
-    """triton.compile each (kernel name in ``module``, signature, constexprs, num_warps) for sm_90,
-    with no GPU, in a child process (where launches are interpreted, Triton cannot also generate
-    code in the same process) -> {entry name: {"sm90": PTX targets sm_90, "shared": bytes}}."""
+def compile_for_hopper(module: str, kernels: list[tuple[str, dict, dict, int | dict]]) -> dict:
+    """triton.compile each (kernel name in ``module``, signature, constexprs, num_warps or the launch
+    options) for sm_90, with no GPU, in a child process (where launches are interpreted, Triton cannot
+    also generate code in the same process) -> {entry name: {"sm90": PTX targets sm_90, "shared":
+    bytes, "fma16": PTX has a 16-bit fused multiply-add}}."""
     import json
     import subprocess
     import sys
 
     script = f"""
-import json, triton
+import json, re, triton
 from triton.backends.compiler import GPUTarget
 from treeflash_kernels.aot import ast_source
 import {module} as m
 out = {{}}
 for name, sig, consts, warps in {kernels!r}:
     sig = dict(sig, **{{c: "constexpr" for c in consts}})
+    options = warps if isinstance(warps, dict) else dict(num_warps=warps)
     k = triton.compile(ast_source(getattr(m, name), sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps))
-    out[k.metadata.name] = dict(sm90=".target sm_90" in k.asm["ptx"], shared=k.metadata.shared)
+                       options=options)
+    ptx = k.asm["ptx"]
+    out[k.metadata.name] = dict(sm90=".target sm_90" in ptx, shared=k.metadata.shared,
+                                fma16=bool(re.search(r"fma\\.rn\\.(f16|bf16)", ptx)))
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

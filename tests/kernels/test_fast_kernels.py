@@ -138,7 +138,8 @@ def test_fast_kernels_16_bit_cuda_track_the_modules(dtype):
     gu = randn(64, 2 * 12288, seed=5, dtype=dtype)
     assert (lo.silu_mul_triton(gu) != lo.silu_mul_reference(gu)).float().mean() < 0.01
     # The per-head norm and RoPE apart and together, so that a failure says which part departs (on an
-    # H200, 2026-11-26, about 21% of q's elements differed by 1-3 rounding steps, parts not yet told apart).
+    # H200, 2026-11-26, 21% of q's elements differed by 1-3 rounding steps: RoPE's products fused into
+    # 16-bit multiply-adds, since launched with FP contraction off; see the sm_90 test below).
     qkv, qw, kw, cos, sin, cache = qkv_problem(64, 32, 8, 128, 256, dtype=dtype)
     seen = {}
     for part, (w1, w2, c, s) in {"norm": (qw, kw, torch.ones_like(cos), torch.zeros_like(sin)),
@@ -168,6 +169,30 @@ def test_fast_kernels_compile_for_hopper(dtype):
         ("silu_mul_kernel", dict(gu_ptr=T, I="i32", out_ptr=T), dict(BLOCK=1024), 4)])
     assert set(out) == {"add_rms_norm_kernel", "qk_norm_rope_kernel", "silu_mul_kernel"}, out
     assert all(k["sm90"] for k in out.values()), out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_layer_kernels_round_16_bit_products_where_the_modules_do(dtype):
+    """Compiled for sm_90 with the launch options the runtime uses, no 16-bit fused multiply-add is
+    left: each product rounds before its sum, as in the modules. With FP contraction on (Triton's
+    default) RoPE's two products and their sum became fma.rn on 16 bits, which an H200 showed as 21%
+    of q's elements off by 1-3 rounding steps; the first compile below shows that this check sees it."""
+    from conftest import compile_for_hopper
+
+    T = "*" + dtype
+    rope = ("qk_norm_rope_kernel", dict(qkv_ptr=T, qw_ptr=T, kw_ptr=T, cos_ptr=T, sin_ptr=T, slots_ptr="*i64",
+                                        Hq="i32", Hkv="i32", stride_kh="i64", stride_ks="i64", q_ptr=T, k_ptr=T,
+                                        v_ptr=T), dict(EPS=1e-6, HAS_NORM=True, HEAD_DIM=128))
+    fused = compile_for_hopper("treeflash_kernels.layer_ops", [rope + (dict(num_warps=1),)])
+    assert fused["qk_norm_rope_kernel"]["fma16"], fused
+    out = compile_for_hopper("treeflash_kernels.layer_ops", [
+        ("add_rms_norm_kernel", dict(x_ptr=T, d_ptr=T, w_ptr=T, H="i32", s_ptr=T, h_ptr=T),
+         dict(EPS=1e-6, HAS_DELTA=True, BLOCK_H=4096), lo._row_options(4096)),
+        rope + (lo._row_options(128),),
+        ("silu_mul_kernel", dict(gu_ptr=T, I="i32", out_ptr=T), dict(BLOCK=1024), lo._row_options(1024))])
+    assert set(out) == {"add_rms_norm_kernel", "qk_norm_rope_kernel", "silu_mul_kernel"}, out
+    assert not any(k["fma16"] for k in out.values()), out
 
 
 # ---------------------------------------------------------------- merged projections, model forms
