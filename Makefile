@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo tiny-demo test test-oldest gpu-install gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile gpu-startup clean
+.PHONY: setup demo tiny-demo test test-oldest gpu-install gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile gpu-startup gpu-tune clean
 
 setup: $(VENV)/.installed
 
@@ -69,8 +69,9 @@ test-oldest:
 # 10-minute call of a lent machine: gpu-test (the GPU-specific tests, every failure spelt out at the
 # end: a lent machine's minutes are few, so one run should show them all), gpu-test-rest (the rest
 # of the suite, on every core), gpu-bench (fast kernels on and off, every mode, prompts 512 and 8,192),
-# gpu-startup (seconds before the first token, cold and warm), gpu-bench-compile (torch.compile
-# over the modules: plain decoding and TreeFlash N = 64 only).
+# gpu-startup (seconds before the first token, cold and warm), gpu-tune (the self-tuning tree's
+# choice and cost model, one sequence and slots), gpu-bench-compile (torch.compile over the modules:
+# plain decoding and TreeFlash N = 64 only).
 GPU_OUT ?= artifacts/gpu
 PRESET ?= qwen3-8b
 GPU_TESTS := tests/runtime/test_cuda.py tests/kernels/test_fast_kernels.py tests/runtime/test_device_round.py tests/kernels/test_kernels.py
@@ -131,6 +132,23 @@ gpu-bench-batch: gpu-install
 	  $(PYTHON) -c "import json, sys; [print(r['batch'], r['mode'], r['tree_size'], r['nodes'], '%.3f ms' % \
 	  r['ms_per_round'], 'x batch 1 %.2f' % r['ratio_to_batch_1']) for r in json.load(open(sys.argv[1]))['batch_rows']]" \
 	  $(GPU_OUT)/bench-batch.json; exit $$status
+
+# The self-tuning tree on the random pair of gpu-startup: one sequence (its choice, the cost model it
+# measured per part) and request slots at concurrency 1, 4 and 8 against plain decoding.
+gpu-tune: gpu-install
+	mkdir -p $(GPU_OUT)
+	test -d $(PAIR_DIR) || $(PYTHON) -m treeflash_export.cli random-pair --preset $(PRESET) --out $(PAIR_DIR)
+	$(PYTHON) -m treeflash_runtime.cli --model $(PAIR_DIR)/verifier --drafter $(PAIR_DIR)/drafter --prompt "$(PROMPT)" \
+	  --max-new-tokens 128 --ignore-eos --json > $(GPU_OUT)/tune-run.json
+	$(PYTHON) -m treeflash_runtime.bench.cli --model $(PAIR_DIR)/verifier --drafter $(PAIR_DIR)/drafter \
+	  --concurrency 1,4,8 --requests 16 --max-new-tokens 64 --ignore-eos --json > $(GPU_OUT)/tune-slots.json
+	$(PYTHON) -c "import json, sys; r = json.load(open(sys.argv[1])); t = r['tuning']; \
+	  print('one sequence: %.1f tok/s, settings used' % r['tokens_per_s'], t['settings_used']); \
+	  [print('  bucket', b, 'ms:', ' '.join('%s %s' % (k, {n: round(x, 2) for n, x in v.items()} if isinstance(v, dict) else round(v, 2)) \
+	   for k, v in c.items())) for b, c in t['cost_ms'].items()]; s = json.load(open(sys.argv[2])); \
+	  [print('slots', x['variant'], x['concurrency'], '%.1f tok/s' % x['tokens_per_s'], 'x ar %.2f' % x['ratio_to_ar'], \
+	   {b: c['mode'] + ' N=%d' % c['tree_size'] for b, c in x.get('tuning', {}).get('choices', {}).items()}) \
+	   for x in s['rows']]" $(GPU_OUT)/tune-run.json $(GPU_OUT)/tune-slots.json
 
 gpu-bench-compile: gpu-install
 	mkdir -p $(GPU_OUT)
