@@ -147,9 +147,9 @@ def test_cuda_slots_fp32_each_request_equals_its_own_greedy(pair_dirs, tmp_path,
     slots joining as others leave: each equals its own greedy decoding. Self-tuning (cheap trees by
     hand, so that trees are explored and chosen): exploration rounds run eagerly on the graph runner,
     the choices are captured mid-stream, and the output is the same."""
-    from test_tuning import _sources, costs, tuner_for
+    from test_tuning import _sources, costs, serve_five, tuner_for
 
-    from treeflash_runtime.serving.engine import Engine, Request
+    from treeflash_runtime.serving.engine import Engine
     from treeflash_runtime.tuner.cost import CostModel
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -162,13 +162,7 @@ def test_cuda_slots_fp32_each_request_equals_its_own_greedy(pair_dirs, tmp_path,
     if tuned:
         cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
         tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, cheap)
-    engine = Engine(runner, tuner=tuner)
-    texts = PROMPTS + ["x = [i * i for i in range(10)]", "Once upon a time"]
-    prompts = [pair.tokenizer(t)["input_ids"] for t in texts]
-    budgets = [24, 10, 18, 32, 14]
-    requests = [Request(ids, SamplingConfig(max_new_tokens=n)) for ids, n in zip(prompts, budgets)]
-    engine.run(requests)
-    for r, ids, n in zip(requests, prompts, budgets):
+    for r, ids, n in serve_five(Engine(runner, tuner=tuner), pair.tokenizer, [24, 10, 18, 32, 14]):
         assert r.tokens == _greedy(pair.verifier, ids, n), r.tokens
     if tuned:
         used = tuner.report()["settings_used"]

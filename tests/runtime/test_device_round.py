@@ -273,6 +273,20 @@ class EagerReplay:
         self.fn(*self.args)
 
 
+def captured_form(runner) -> list:
+    """The runner's CUDA form on the CPU: graphs on, each capture an EagerReplay; returns the list of
+    the functions captured so far (it grows as the runner captures)."""
+    captured = []
+
+    def capture(fn, args, reset):
+        captured.append(fn)
+        return EagerReplay(fn, args)
+
+    runner.use_graphs = True
+    runner._capture = capture
+    return captured
+
+
 @pytest.mark.parametrize("fast_kernels", [False, True], ids=["torch-ops", "fast-kernels"])
 @pytest.mark.parametrize("mode", ["treeflash", "marginal", "chain", "ar"])
 def test_the_graph_form_run_eagerly_is_exact(load, mode, fast_kernels):
@@ -287,8 +301,7 @@ def test_the_graph_form_run_eagerly_is_exact(load, mode, fast_kernels):
 
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=384, fast_kernels=fast_kernels)
-    runner.use_graphs = True
-    runner._capture = lambda fn, args, reset: EagerReplay(fn, args)
+    captured_form(runner)
     short = pair.tokenizer(PROMPTS[0])["input_ids"]
     long = pair.tokenizer(PROMPTS[2] * 40)["input_ids"][: PREFILL_CHUNK + 44]
     assert len(long) == PREFILL_CHUNK + 44
@@ -311,8 +324,7 @@ def test_captured_plain_steps_keep_the_drafters_context_lazily(load):
 
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
-    runner.use_graphs = True
-    runner._capture = lambda fn, args, reset: EagerReplay(fn, args)
+    captured_form(runner)
     B = runner.block_size
     runner.state.pending = runner.state.pending[:, :B].clone()  # the CUDA form's B rows
     ids = pair.tokenizer(PROMPTS[0])["input_ids"]
@@ -541,7 +553,7 @@ def test_a_head_dim_the_kernel_cannot_compile_goes_to_the_reference():
     (here: on a GPU, else in the interpreter), answers from the reference for 8 and for a head dim that
     is no power of two."""
     from conftest import compile_for_hopper
-    from treeflash_kernels import ops  # noqa: F401 (registers torch.ops.treeflash; the test may run alone)
+    import treeflash_kernels.ops  # noqa: F401 (registers torch.ops.treeflash; the test may run alone)
     from treeflash_kernels.mlp_expand import interpreted_on_cpu
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU machine does not set TRITON_INTERPRET

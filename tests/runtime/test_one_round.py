@@ -129,12 +129,11 @@ def test_a_seed_gives_the_same_tokens_on_every_path(load):
 
 def test_graph_keys_hold_the_sampling_kind_not_its_values(load):
     """Distinct temperatures and top-p values reuse the graphs of their kind (device data, not keys)."""
-    from test_device_round import EagerReplay
+    from test_device_round import captured_form
 
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=384)
-    runner.use_graphs = True
-    runner._capture = lambda fn, args, reset: EagerReplay(fn, args)
+    captured_form(runner)
     for t, p in ((0.7, 0.9), (1.3, 0.5), (0.9, 0.95), (1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (0.0, 0.3)):
         _single(pair, "treeflash", SamplingConfig(temperature=t, top_p=p, max_new_tokens=6, seed=1), runner)
     kinds = sorted(key[3] for key in runner._graphs if key[0] == "round")

@@ -317,16 +317,14 @@ def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load
     run through an eager stand-in: outputs still equal greedy decoding, and the round function uses
     only device state and its own results (the dispatch-mode spy of test_device_round)."""
     from conftest import hf_greedy
-    from test_device_round import EagerReplay, HostTensorSpy
+    from test_device_round import HostTensorSpy, captured_form
 
     from treeflash_runtime.serving.engine import Request
 
     pair = load("qwen3")
     engine = engine_for(pair, mode)
     runner = engine.runner
-    runner.use_graphs = True
-    captured, lines = [], []
-    runner._capture = lambda fn, args, reset: captured.append(fn) or EagerReplay(fn, args)
+    captured, lines = captured_form(runner), []
     runner.log = lines.append
     runner.capture_all()  # what a CUDA runner with a deployment tree does at start-up
     tree = runner.tree

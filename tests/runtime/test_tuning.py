@@ -40,6 +40,18 @@ def _sources(pair_dirs, name="qwen3"):
     return (str(pair_dirs[name] / "verifier"), str(pair_dirs[name] / "drafter"))
 
 
+def serve_five(engine, tokenizer, budgets) -> list[tuple]:
+    """Five requests (the shared prompts and two more) through the engine, with these new-token budgets
+    (the slots fill, then requests join as others leave) -> (request, prompt ids, budget) for each."""
+    from treeflash_runtime.serving.engine import Request
+
+    texts = PROMPTS + ["x = [i * i for i in range(10)]", "Once upon a time"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    requests = [Request(ids, SamplingConfig(max_new_tokens=n)) for ids, n in zip(prompts, budgets)]
+    engine.run(requests)
+    return list(zip(requests, prompts, budgets))
+
+
 @pytest.mark.parametrize("fixed", [{}, {"mode": "marginal"}, {"mode": "treeflash", "tree_size": 8}],
                          ids=["all-auto", "marginal", "treeflash-N8"])
 def test_tuned_rounds_are_exact(load, pair_dirs, tmp_path, fixed):
@@ -128,13 +140,10 @@ def test_the_engine_tunes_per_bucket_and_stays_exact(load, pair_dirs, tmp_path, 
     cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
     tuner = tuner_for(runner, _sources(pair_dirs, name), tmp_path, cheap)
     engine = Engine(runner, prefill_chunk=4, tuner=tuner)
-    texts = PROMPTS + ["x = [i * i for i in range(10)]", "Once upon a time"]
-    prompts = [pair.tokenizer(t)["input_ids"] for t in texts]
-    budgets = [12, 5, 9, 16, 7]
-    requests = [Request(ids, SamplingConfig(max_new_tokens=n)) for ids, n in zip(prompts, budgets)]
-    engine.run(requests)
-    for r, ids, n in zip(requests, prompts, budgets):
+    served = serve_five(engine, pair.tokenizer, [12, 5, 9, 16, 7])
+    for r, ids, n in served:
         assert r.tokens == hf_greedy(pair.verifier, ids, n)
+    prompts = [ids for _, ids, _ in served]
     report = tuner.report()
     assert len(report["choices"]) >= 2  # several buckets chose
     assert all(int(b) in runner.buckets for b in report["choices"])
@@ -288,19 +297,12 @@ def test_with_graphs_the_probe_times_a_replay_of_each_part(load):
     """On CUDA the rounds that serve are graph replays, so the probe captures each part once and times
     its replays (an eager stand-in for the capture here, as the CPU tests of the captured round do):
     one capture per part and parameters, none of them made inside another, the state put back."""
-    from test_device_round import EagerReplay
+    from test_device_round import captured_form
     from treeflash_runtime.tuner.cost import default_grid, measure
 
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
-    runner.use_graphs = True
-    captured = []
-
-    def capture(fn, args, reset):
-        captured.append(fn)
-        return EagerReplay(fn, args)
-
-    runner._capture = capture
+    captured = captured_form(runner)
     grid = default_grid(("ar", "chain", "marginal", "treeflash"), runner.block_size, 16)
     with runner.probing(1, 32) as probe:
         before = runner.state.past_len.clone()
@@ -320,19 +322,12 @@ def test_with_graphs_exploration_rounds_run_eagerly_and_only_choices_are_capture
     captured yet runs eagerly when it is an exploration round, and is not timed as the setting's (an
     eager round is not the replay the cost model predicts) but as what exploring costs; the choices
     are captured and replayed. Output stays exact."""
-    from test_device_round import EagerReplay
+    from test_device_round import captured_form
 
     pair = load("qwen3")
     ids = pair.tokenizer(PROMPTS[0])["input_ids"]
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
-    runner.use_graphs = True
-    captured = []
-
-    def capture(fn, args, reset):
-        captured.append(fn)
-        return EagerReplay(fn, args)
-
-    runner._capture = capture
+    captured = captured_form(runner)
     tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree_part=1.0))
     assert tuner.captures
     rounds, timed = [], []
