@@ -162,7 +162,7 @@ def test_cuda_slots_fp32_each_request_equals_its_own_greedy(pair_dirs, tmp_path,
     if tuned:
         cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
         tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, cheap)
-    for r, ids, n in serve_five(Engine(runner, tuner=tuner), pair.tokenizer, [24, 10, 18, 32, 14]):
+    for r, ids, n in serve_five(Engine(runner, tuner=tuner), pair, [24, 10, 18, 32, 14]):
         assert r.tokens == _greedy(pair.verifier, ids, n), r.tokens
     if tuned:
         used = tuner.report()["settings_used"]

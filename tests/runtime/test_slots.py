@@ -405,3 +405,39 @@ def test_the_expansion_stops_at_the_deepest_node_a_tree_can_hold(load, mode):
                         assert torch.equal(a, b), (n, reported, size)
                     checked += 1
         assert checked >= 8
+
+
+def test_captured_plain_steps_keep_each_slots_context_lazily(load):
+    """Three slots in the CUDA form (graphs on, B pending rows): plain steps with the drafter's context
+    append each slot's features, the drafter runs when the rows may be full, and tree rounds in
+    between leave each slot a different pending count. Each slot's tokens still equal its own greedy
+    decoding, and both plain-step graphs (append, flush) were captured."""
+    from conftest import hf_greedy
+    from test_device_round import captured_form
+
+    from treeflash_runtime.backends.torch_backend import TorchRunner
+
+    pair = load("qwen3")
+    tree = TreeConfig(mode="treeflash", tree_size=8, top_m=2, top_k=4)
+    runner = TorchRunner(pair.verifier, pair.drafter, max_batch=3, capacity=128, tree=tree)
+    captured_form(runner)
+    B = runner.block_size
+    runner.state.pending = runner.state.pending[:, :B].clone()  # the CUDA form's B rows
+    runner.keep_context = True
+    prompts = prompts_of(pair)[:3]
+    outs = []
+    for slot, ids in enumerate(prompts):
+        runner.admit(slot, SamplingConfig())
+        outs.append([runner.prefill(slot, torch.tensor(ids), last=True)])
+    plain = TreeConfig(mode="ar")
+    schedule = [plain] * (B + 2) + [tree] * 2 + [plain] * 5 + [tree] * 3 + [plain] * (2 * B) + [tree] * 40
+    for t in schedule:
+        if min(len(o) for o in outs) >= 36:
+            break
+        runner.set_bucket_tree(3, t)
+        for o, gained in zip(outs, runner.step(3)):
+            o += gained
+    for o, ids in zip(outs, prompts):
+        assert o[:36] == hf_greedy(pair.verifier, ids, 36)
+    plain_keys = {k for k in runner._graphs if k[0] == "round" and k[2].mode == "ar"}
+    assert {k[6:] for k in plain_keys} == {(), ("flush",)}, plain_keys

@@ -40,13 +40,14 @@ def _sources(pair_dirs, name="qwen3"):
     return (str(pair_dirs[name] / "verifier"), str(pair_dirs[name] / "drafter"))
 
 
-def serve_five(engine, tokenizer, budgets) -> list[tuple]:
-    """Five requests (the shared prompts and two more) through the engine, with these new-token budgets
-    (the slots fill, then requests join as others leave) -> (request, prompt ids, budget) for each."""
+def serve_five(engine, pair, budgets) -> list[tuple]:
+    """Five requests (test_slots.prompts_of) through the engine, with these new-token budgets (the slots
+    fill, then requests join as others leave) -> (request, prompt ids, budget) for each."""
+    from test_slots import prompts_of
+
     from treeflash_runtime.serving.engine import Request
 
-    texts = PROMPTS + ["x = [i * i for i in range(10)]", "Once upon a time"]
-    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    prompts = prompts_of(pair)
     requests = [Request(ids, SamplingConfig(max_new_tokens=n)) for ids, n in zip(prompts, budgets)]
     engine.run(requests)
     return list(zip(requests, prompts, budgets))
@@ -140,7 +141,7 @@ def test_the_engine_tunes_per_bucket_and_stays_exact(load, pair_dirs, tmp_path, 
     cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
     tuner = tuner_for(runner, _sources(pair_dirs, name), tmp_path, cheap)
     engine = Engine(runner, prefill_chunk=4, tuner=tuner)
-    served = serve_five(engine, pair.tokenizer, [12, 5, 9, 16, 7])
+    served = serve_five(engine, pair, [12, 5, 9, 16, 7])
     for r, ids, n in served:
         assert r.tokens == hf_greedy(pair.verifier, ids, n)
     prompts = [ids for _, ids, _ in served]
