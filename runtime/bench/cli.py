@@ -21,6 +21,7 @@ from treeflash_export.errors import TreeFlashError
 from treeflash_export.presets import PRESETS
 
 from ..options import AutoOrInt
+from .batching import sixteen_bit_note
 
 DEFAULT_PROMPTS = (
     "def quicksort(items):\n",
@@ -410,6 +411,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
         sess = _session(artifacts, model, drafter, backend, first, tree_kw, max_seq_len, device,
                         mode_auto="auto" in mode_list, draft_vocab=draft_vocab)
         runner = sess.runner
+        dtype = sess.dtype if backend == backends[0] else dtype  # the reference backend's
         tuner = None
         if "auto" in mode_list:
             from ..tuner.online import TreeTuner
@@ -483,7 +485,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
 
     report = {"rows": rows, "identical_outputs": identical, "prompts": len(ids), "repeat": repeat,
               "max_new_tokens": max_new_tokens, "stops_at_eos": not ignore_eos, "machine": platform.machine(),
-              "threads": torch.get_num_threads(), "artifacts": artifacts}
+              "threads": torch.get_num_threads(), "artifacts": artifacts, "dtype": str(dtype)}
     if sweep is not None:
         fixed = [r for r in rows if r["mode"] != "auto"]
         best = max(fixed, key=lambda r: r["tokens_per_s"])
@@ -555,7 +557,7 @@ def format_report(report: dict) -> str:
     lines.append(f"greedy outputs identical across all rows: {report['identical_outputs']} "
                  f"({report['prompts']} prompts x {report['repeat']}, up to {report['max_new_tokens']} new tokens"
                  f"{', ending at end of turn' if report.get('stops_at_eos') else ''})")
-    return "\n".join(lines)
+    return "\n".join(lines + sixteen_bit_note(report))
 
 
 if __name__ == "__main__":

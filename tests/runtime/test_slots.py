@@ -287,6 +287,12 @@ def test_bench_concurrency_rows_report_latency_and_identical_outputs(pair_dirs):
     differ = {**report, "identical_outputs": False}
     assert "near-tied" not in format_batching_report(differ)
     assert "near-tied" in format_batching_report({**differ, "dtype": "bfloat16"})
+    from treeflash_runtime.bench.cli import format_report
+
+    single = {"rows": [{"backend": "torch", "setting": "ar", "mean_accepted": 1.0, "tokens_per_s": 9.0,
+                        "speedup_vs_ar": 1.0, "worst_prompt_vs_ar": 1.0, "ratio_vs_torch": 1.0}],
+              "identical_outputs": False, "prompts": 1, "repeat": 1, "max_new_tokens": 4, "dtype": "float32"}
+    assert "near-tied" not in format_report(single) and "near-tied" in format_report({**single, "dtype": "float16"})
     # Hand-written tables beside it: one variant each.
     r = CliRunner().invoke(main, ["--model", str(d / "verifier"), "--drafter", str(d / "drafter"), "--concurrency",
                                   "1,3", "--requests", "3", "--max-new-tokens", "4", "--tree-sizes", "8", "--modes",
