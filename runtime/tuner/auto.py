@@ -27,8 +27,9 @@ rounds that may be slower than the best known one, so it is kept cheap and stops
   refreshing changes nothing, and a refresh waits until its round costs at most `explore_share`
   (5%) of the time spent since the last one (a tree round of 8 slots may cost several plain ones;
   with CUDA graphs an exploration round runs eagerly, outside the graphs, and costs what such rounds
-  were seen to take: on an H200 at Qwen3-8B's shapes far more than a replay), and it is skipped when its setting is predicted below `refresh_floor` (75%) of the choice's rate
-  (which doubles the interval too, as a refresh that changed nothing would).
+  were seen to take: on an H200 at Qwen3-8B's shapes far more than a replay), and it is skipped
+  when its setting is predicted below `refresh_floor` (75%) of the choice's rate (which doubles the
+  interval too, as a refresh that changed nothing would).
 - choosing seldom: the choice is made again only when a round has been observed, the current
   setting changed, the request changed or the cost corrections moved (5%); while plain decoding
   wins by far (its best tree predicted below `wide`, 75%, of its rate, corrections included) not

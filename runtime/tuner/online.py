@@ -287,9 +287,9 @@ class TreeTuner:
         nodes and plain decoding rounds keep the drafter's context (but see _context), until `release`."""
         self.auto.cost.buckets  # noqa: B018 (measures or reads the cache now)
         runner.observing = runner.keep_context = True
-        # With graphs, an exploration round runs eagerly (runner.capture_now); the generation's first
-        # tree was chosen before this.
-        runner.capture_now = not (self.captures and self.auto.exploring)
+        # With graphs, an exploration round runs eagerly (see next_tree); the generation's first tree
+        # was chosen before this.
+        runner.capture_now = self._worth_capturing()
         self._runner = runner
         self._rounds = 0
         self._probe_rounds = {"plain": 0, "family": 0}
@@ -340,11 +340,7 @@ class TreeTuner:
         self.current = s
         self._probe = None
         if self._runner is not None and self.captures:
-            # An exploration round (a seed, a refresh, a neighbour tried once) runs eagerly when its graph
-            # is not captured yet: on a GPU a capture costs tens of rounds (and far more where its
-            # kernels compile first), which a setting tried once never pays back. The choice is captured,
-            # and so is a confirming round's tree (it recurs, and is predicted to beat plain decoding).
-            self._runner.capture_now = not self.auto.exploring or self.auto.explore_reason == "confirm"
+            self._runner.capture_now = self._worth_capturing()
         if self._runner is not None and not self.captures:
             self._rounds += 1
             if alone is not None:
@@ -362,6 +358,14 @@ class TreeTuner:
             self._runner.probe_tree = None if self._probe is None else self._config(self._probe)
         self.used[s] += 1
         return self._config(s)
+
+    def _worth_capturing(self) -> bool:
+        """With graphs, whether the round just chosen is captured if its graph is not yet. An exploration
+        round (a seed, a refresh, a neighbour tried once) runs eagerly instead: on a GPU a capture costs
+        tens of rounds (and far more where its kernels compile first), which a setting tried once never
+        pays back. The choice is captured, and so is a confirming round's tree (it recurs, and is
+        predicted to beat plain decoding)."""
+        return not (self.captures and self.auto.exploring and self.auto.explore_reason != "confirm")
 
     def _context(self, s: Setting, bucket: int, requests: list) -> Setting:
         """Request slots: while plain decoding wins by far at this bucket (AutoTuner.plain_by_far),
