@@ -85,7 +85,8 @@ class CostCache:
             return have
         fresh = measure_buckets(missing)
         model = fresh if have is None else have.merged(fresh)
-        self.save(key, model)
+        if not fresh.unsteady:  # timed while the machine's speed changed: not kept (see cost.STEADY_DRIFT)
+            self.save(key, model)
         return model
 
 

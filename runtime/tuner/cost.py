@@ -47,6 +47,15 @@ from .setting import TREE_SIZES, Setting
 NAMED_EXPANSIONS = ("chain", "marginal")  # expansion costs kept by mode, not by (M, K)
 # A part whose measurement takes longer than this (its first call compiling kernels, on a GPU) says so.
 SLOW_PART_S = 3.0
+# The plain step is timed before a bucket's parts, halfway through them and after the last (the fastest
+# of STEADY_CALLS calls each, which transient noise hardly moves): when those differ by more than this
+# factor, the machine's speed changed while the parts were timed (another job started or stopped), so
+# some parts are off against others. Such a model serves the process that
+# measured it but is not cached (`CostModel.unsteady`). Seen: a model measured while a second job ran
+# on the demo pair's 2-core CPU priced an 8-node verification at 106 ms (61 measured again on a quiet
+# machine), and its cache kept `make demo` on plain decoding at 23 tok/s, against 34 tok/s with trees.
+STEADY_DRIFT = 1.25
+STEADY_CALLS = 5
 
 
 class Probe(Protocol):
@@ -158,6 +167,9 @@ class CostModel:
 
     buckets: dict[int, BucketCosts] = field(default_factory=dict)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    # bucket -> how far the plain step's time moved while that bucket was measured (see STEADY_DRIFT);
+    # not saved with the model.
+    unsteady: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     def bucket_costs(self, b: int) -> BucketCosts:
         """The costs of the smallest measured bucket holding b slots (the runner pads to it)."""
@@ -178,7 +190,7 @@ class CostModel:
 
     def merged(self, other: "CostModel") -> "CostModel":
         """These buckets plus other's (other's win where both have one)."""
-        return CostModel({**self.buckets, **other.buckets})
+        return CostModel({**self.buckets, **other.buckets}, unsteady={**self.unsteady, **other.unsteady})
 
     def to_json(self) -> dict:
         return {str(b): c.to_json() for b, c in sorted(self.buckets.items())}
@@ -268,6 +280,12 @@ def time_median(probe: Probe, part: str, b: int, params: dict, repeats: int, par
     return statistics.median(times)
 
 
+def time_min(probe: Probe, b: int, calls: int = STEADY_CALLS) -> float:
+    """Milliseconds of the fastest of `calls` plain steps after one warm-up (the steadiness check)."""
+    probe.time_part("ar", b)
+    return 1000.0 * min(float(probe.time_part("ar", b)) for _ in range(calls))
+
+
 def measure(probe: Probe, buckets: list[int], grid: Grid, log: Callable[[str], None] | None = None,
             repeats: int = 3, part_budget_s: float = 0.25) -> CostModel:
     """Times the grid's parts for each batch bucket through `probe`; progress lines go to `log`."""
@@ -277,7 +295,11 @@ def measure(probe: Probe, buckets: list[int], grid: Grid, log: Callable[[str], N
     for b in buckets:
         got: dict[str, dict] = {"verify": {}, "expand": {}, "tree": {}}
         scalars: dict[str, float] = {}
-        for part, text, params in plan:
+        check = len(plan) > 2  # a plain-only grid has nothing to be off against
+        plain_ms = [time_min(probe, b)] if check else []  # the plain step before, halfway and at the end
+        for i, (part, text, params) in enumerate(plan):
+            if check and i == len(plan) // 2:
+                plain_ms.append(time_min(probe, b))
             done += 1
             where = f"{text}{f' for {b} slots' if b != 1 else ''}"
             if log:
@@ -297,6 +319,14 @@ def measure(probe: Probe, buckets: list[int], grid: Grid, log: Callable[[str], N
                 got["tree"][params["tree_size"]] = ms
             else:
                 scalars[part] = ms
+        if check:
+            plain_ms.append(time_min(probe, b))
+        if check and max(plain_ms) > STEADY_DRIFT * min(plain_ms):
+            model.unsteady[b] = max(plain_ms) / min(plain_ms)
+            if log:
+                log(f"tuning: the plain step took {' then '.join(f'{t:.1f}' for t in plain_ms)} ms while the parts "
+                    f"{f'for {b} slots ' if b != 1 else ''}were timed: the machine's speed changed (another job?), "
+                    f"so these costs serve this process only and are measured again next time")
         costs = BucketCosts(ar=scalars["ar"], draft=scalars.get("draft", 0.0), block=grid.block_size, **got)
         if "round" in scalars:
             ref_parts = sum(costs.parts(grid.reference).values()) - costs.other

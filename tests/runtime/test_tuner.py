@@ -103,7 +103,9 @@ def test_measure_times_the_grid_with_progress_and_warm_up():
     assert lines[3] == f"tuning: measuring verify at 8 nodes (4/{2 * steps})"
     assert f"tuning: measuring the marginal tree's expansion at K=16 (12/{2 * steps})" in lines
     assert lines[steps] == f"tuning: measuring a plain decoding step for 2 slots ({steps + 1}/{2 * steps})"
-    assert len(probe.calls) == 2 * steps * 4  # one warm-up + 3 timed calls each (all short)
+    # One warm-up + 3 timed calls each (all short), and per bucket three steadiness checks of the plain
+    # step (one warm-up + 5 calls each).
+    assert len(probe.calls) == 2 * (steps * 4 + 3 * 6) and not model.unsteady
     c1, c2 = model.buckets[1], model.buckets[2]
     assert c1.ar == pytest.approx(10.0) and c2.ar == pytest.approx(20.0)
     assert c1.verify == pytest.approx({4: 12.0, 8: 14.0, 16: 18.0, 32: 26.0, 64: 42.0})
@@ -137,6 +139,34 @@ def test_a_part_slow_to_measure_says_why(monkeypatch):
     slow = [line for line in lines if "to measure" in line]
     assert len(slow) == 3 and all(line.startswith("tuning: the tree build at ") and "kernels compiling" in line
                                   for line in slow), lines
+
+
+def test_costs_timed_while_the_machine_slowed_are_used_but_not_cached(tmp_path):
+    """Another job starts in the second half of the measurement and every call takes 1.5 times as long
+    from then on: the plain step timed again halfway and at the end says so. The model serves this process,
+    is not cached, and the next process measures again; a steady machine's model is cached."""
+    class Slowing(FakeProbe):
+        def time_part(self, part, b, **params):
+            t = super().time_part(part, b, **params)
+            return t * (1.5 if len(self.calls) > 40 else 1.0)
+
+    lines = []
+    grid = default_grid(("ar", "treeflash"), block_size=B)
+    model = measure(Slowing(), [1], grid, log=lines.append)
+    assert model.unsteady[1] == pytest.approx(1.5)
+    assert any("the machine's speed changed" in line and "10.0 then 10.0 then 15.0 ms" in line for line in lines), lines
+    key = CostKey("pair", "cpu x2", "float32", "torch", "0")
+    cache, runs = CostCache(tmp_path), []
+
+    def measure_buckets(probe_cls):
+        return lambda buckets: runs.append(1) or measure(probe_cls(), buckets, grid)
+
+    cache.get_or_measure(key, [1], measure_buckets(Slowing))
+    cache.get_or_measure(key, [1], measure_buckets(Slowing))
+    assert len(runs) == 2 and not cache.path(key).exists()  # measured again, nothing kept
+    steady = cache.get_or_measure(key, [1], measure_buckets(FakeProbe))
+    assert not steady.unsteady and cache.path(key).exists()
+    assert cache.get_or_measure(key, [1], measure_buckets(FakeProbe)).to_json() == steady.to_json() and len(runs) == 3
 
 
 def test_measure_stops_repeating_long_parts():
