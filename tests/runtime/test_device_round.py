@@ -447,6 +447,22 @@ def test_captured_functions_make_no_tensor_on_the_host(load, mode, temperature, 
     assert spy.host_made == []
 
 
+@pytest.mark.parametrize("flush", [False, True], ids=["append", "flush"])
+def test_captured_plain_steps_with_context_make_no_tensor_on_the_host(load, flush):
+    """Both captured plain steps of a tuned generation (one appends the step's features to the pending
+    rows, one runs the drafter over them first) use only device state and their own results."""
+    from treeflash_runtime.sampling import GREEDY
+
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=96)
+    plain = TreeConfig(mode="ar")
+    runner.begin(torch.tensor([5, 6, 7, 8]), plain, SamplingConfig())
+    runner.use_graphs, runner.keep_context = True, True
+    with torch.inference_mode(), HostTensorSpy(_device_tensors(runner) + [runner._slot_rows]) as spy:
+        runner._round(1, plain, GREEDY, flush=flush)
+    assert spy.host_made == []
+
+
 def test_compiled_steps_are_exact(load, monkeypatch, tmp_path):
     """torch.compile wraps the steps from outside; plain decoding (the quickest to compile on a CPU)
     still equals transformers' greedy output, and a second generation reuses the compiled code."""
