@@ -143,22 +143,29 @@ def generate(
     stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=P)
     out = Emitter(sampling, on_tokens)
 
-    with contextlib.nullcontext() if tuner is None else tuner.driving(runner):
-        t0 = time.perf_counter()
-        first = runner.begin(prompt, tree, sampling)
-        stats.prefill_s = time.perf_counter() - t0
-        done = out.emit([first])
-        while not done:
-            if tuner is not None and stats.rounds:
-                runner.set_tree(tuner.next_tree())
-            t_round = time.perf_counter()
-            gained = runner.round()
-            if tuner is not None:
-                tuner.round_took(time.perf_counter() - t_round)
-                tuner.after_round(runner, gained=len(gained), tokens=gained)
-            stats.rounds += 1
-            stats.accept_lengths.append(len(gained))
-            done = out.emit(gained)
+    try:
+        with contextlib.nullcontext() if tuner is None else tuner.driving(runner):
+            t0 = time.perf_counter()
+            first = runner.begin(prompt, tree, sampling)
+            stats.prefill_s = time.perf_counter() - t0
+            done = out.emit([first])
+            while not done:
+                if tuner is not None and stats.rounds:
+                    runner.set_tree(tuner.next_tree())
+                t_round = time.perf_counter()
+                gained = runner.round()
+                if tuner is not None:
+                    tuner.round_took(time.perf_counter() - t_round)
+                    tuner.after_round(runner, gained=len(gained), tokens=gained)
+                stats.rounds += 1
+                stats.accept_lengths.append(len(gained))
+                done = out.emit(gained)
+    finally:
+        # The generation's slot is free again (request slots: slot 0 of one occupied), so that a cost
+        # probe of the self-tuning tree may take it before the next generation.
+        free = getattr(runner, "release", None)
+        if free is not None:
+            free(0, 1)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     stats.elapsed_s = time.perf_counter() - t0

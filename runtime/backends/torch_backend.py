@@ -241,8 +241,12 @@ class TorchRunner(Runner):
         if self.compiled:
             self._compile_steps()
         self.tree: TreeConfig | None = None
+        # The largest tree the caches and captures were sized for, where a deployment's tree was given
+        # (request slots); None for a one-sequence runner, whose tree follows each generation.
+        self.deployment_tree_size: int | None = None
         if tree is not None:
             self.configure(tree, tree_size_by_batch)
+            self.deployment_tree_size = self.max_tree_size
             if self.use_graphs and capture_at_start:
                 self.capture_all()
 

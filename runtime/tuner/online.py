@@ -107,8 +107,10 @@ def acceptance_key(runner, sources, drafter_temperature: float) -> dict | None:
 
 def largest_tree(runner) -> int:
     """The largest tree the tuner may pick: MAX_TREE, or less where the runner's deployment tree
-    (request slots) sized its caches for less."""
-    return min(MAX_TREE, runner.max_tree_size) if getattr(runner, "tree", None) is not None else MAX_TREE
+    (request slots) sized its caches for less. Not the tree of a one-sequence runner's last
+    generation: after a plain one it was 1 node, and the grid measured then held only 1-node trees."""
+    size = getattr(runner, "deployment_tree_size", None)
+    return MAX_TREE if size is None else min(MAX_TREE, size)
 
 
 def measure_runner(runner, buckets: list[int], log=None) -> CostModel:

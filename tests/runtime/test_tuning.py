@@ -108,6 +108,25 @@ def test_costs_are_measured_once_then_read_from_the_cache(load, pair_dirs, tmp_p
     assert c.expand["marginal"] > 0 and c.expand["chain"] > 0
 
 
+def test_a_tuned_generation_after_a_plain_one_measures_its_costs_on_the_same_runner(load, pair_dirs, tmp_path):
+    """A generation frees its slot when it ends: a tuned generation that follows a plain one on the
+    same runner, with no costs cached yet, measures them there (the probe takes the slot over) over
+    the whole grid, and gives the verifier's output. Before, the finished generation still held the
+    slot and the probe stopped with an internal error; past that, the grid followed the last
+    generation's tree (1 node) and the measurement failed."""
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[2])["input_ids"]
+    want = hf_greedy(pair.verifier, ids, 16)
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    assert generate(runner, ids, TreeConfig(mode="ar"), SamplingConfig(max_new_tokens=16)).token_ids == want
+    assert not bool(runner.state.active.any())
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, None)  # nothing cached: measured at first use
+    assert generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=16), tuner=tuner).token_ids == want
+    # The grid is the one-sequence runner's own (up to 64 nodes), not the last generation's 1-node tree.
+    assert set(tuner.auto.cost.buckets[1].verify) == {4, 8, 16, 32, 64}
+    assert max(s.tree_size for s in tuner.auto.candidates) == 64
+
+
 def test_treeflash_run_with_auto_settings(pair_dirs, tmp_path, monkeypatch):
     """treeflash-run --tree-size auto: the JSON names the settings run and the tuner's choice, the tokens
     equal plain decoding's; auto settings are refused where they cannot apply."""
