@@ -480,8 +480,9 @@ class TorchRunner(Runner):
         kind = max(self.host_kind[:occupied])
         self.ran_eagerly = self.captured = False
         if self.use_graphs:
-            key, tree = self._round_key(b, kind), self._bucket_tree(b)
-            flush, before = self._flushes(tree), self._pending_bound
+            tree = self._bucket_tree(b)
+            key, before = self._round_key(b, kind, tree), self._pending_bound
+            flush = key[-1] == "flush"
             if key in self._graphs or self.capture_now:
                 if key not in self._graphs:
                     self._capture_round(b, kind)
@@ -895,11 +896,11 @@ class TorchRunner(Runner):
             self._pool = torch.cuda.graph_pool_handle()
         return _Captured(fn, args, self._pool, reset)
 
-    def _round_key(self, b: int, kind: int) -> tuple:
-        """A round graph's key: bucket, tree setting (with the bucket's size) and sampling kind, never
-        sampling values (those are device data); for a plain step with the drafter's context, whether it
-        appends or flushes."""
-        tree = self._bucket_tree(b)
+    def _round_key(self, b: int, kind: int, tree: TreeConfig | None = None) -> tuple:
+        """A round graph's key: bucket, tree setting (with the bucket's size; tree: that setting, when
+        the caller has it) and sampling kind, never sampling values (those are device data); for a
+        plain step with the drafter's context, whether it appends or flushes (a last "flush")."""
+        tree = self._bucket_tree(b) if tree is None else tree
         key = ("round", b, tree, kind, self.observing, self.keep_context)
         return key + ("flush",) if self._flushes(tree) else key
 
@@ -924,8 +925,9 @@ class TorchRunner(Runner):
 
     def _capture_round(self, b: int, kind: int) -> None:
         t0 = time.perf_counter()
-        tree, key = self._bucket_tree(b), self._round_key(b, kind)
-        flush = self._flushes(tree)  # decided now: the scratch state put back below forgets the bound
+        tree = self._bucket_tree(b)
+        key = self._round_key(b, kind, tree)
+        flush = key[-1] == "flush"  # decided now: the scratch state put back below forgets the bound
         with self._scratch() as reset:
             self._graphs[key] = self._capture(lambda: self._round(b, tree, kind, flush=flush), (), reset)
         self.log(f"captured a CUDA graph ({_describe(tree)}, {b} slot{'s' if b > 1 else ''}, "

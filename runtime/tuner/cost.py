@@ -50,8 +50,8 @@ SLOW_PART_S = 3.0
 # The plain step is timed before a bucket's parts, halfway through them and after the last (the fastest
 # of STEADY_CALLS calls each, which transient noise hardly moves): when those differ by more than this
 # factor, the machine's speed changed while the parts were timed (another job started or stopped), so
-# some parts are off against others. Such a model serves the process that
-# measured it but is not cached (`CostModel.unsteady`). Seen: a model measured while a second job ran
+# some parts are off against others. Such a model serves the process that measured it but is not
+# cached (`CostModel.unsteady`). Seen: a model measured while a second job ran
 # on the demo pair's 2-core CPU priced an 8-node verification at 106 ms (61 measured again on a quiet
 # machine), and its cache kept `make demo` on plain decoding at 23 tok/s, against 34 tok/s with trees.
 STEADY_DRIFT = 1.25

@@ -147,7 +147,6 @@ class TreeTuner:
         self.resumed = False  # whether the acceptance model was read from an earlier run
         self._note: str | None = None
         self._saved_at = -float("inf")
-        self._timed: set = set()  # (bucket, setting, context kept) whose first round has run
         self.captures = False  # whether a setting's first round captures a graph (CUDA graphs on)
         self._at_exit = False
         self.fixed_mode: str | None = None  # the mode the user gave (the tuner then chooses only N, M, K)
@@ -430,22 +429,20 @@ class TreeTuner:
 
     def round_took(self, seconds: float, bucket: int = 1) -> None:
         """The wall-clock time of the round that just ran (corrects the cost model's predictions). With
-        CUDA graphs the first round of each setting and bucket is left out: it captures the graph; so is
-        an exploration round run eagerly (see next_tree), and a round that also ran a score probe."""
+        CUDA graphs a round that captured its graph is left out (the runner says so: a setting's first
+        round, or a plain step's second form), and so is an exploration round run eagerly (see
+        next_tree); a round that also ran a score probe is left out too."""
         if self._probe is not None or self._held_round:  # the probe's work is not the setting's; held: no need
             return
         if self._runner is not None and getattr(self._runner, "captured", False):
-            return  # the round captured its graph (a plain step's second form, say): not a replay's time
+            return  # not a replay's time
         if self._runner is not None and getattr(self._runner, "ran_eagerly", False):
             # An exploration round run eagerly on a graph runner: not the replay's time, but what
             # exploring costs here (refreshes budget their share of time with it).
             self.auto.observe_outside_time(bucket, 1000.0 * seconds)
             return
-        # Plain steps with and without the drafter's context (see _context) are two captured graphs.
-        key = (bucket, self.current, self._runner is not None and self._runner.keep_context)
-        if self.current is not None and (key in self._timed or not self.captures):
+        if self.current is not None:
             self.auto.observe_time(self.current, bucket, 1000.0 * seconds)
-        self._timed.add(key)
 
     def after_round(self, runner, slot: int = 0, gained: int | None = None, tokens: list[int] | None = None,
                     request=None) -> None:
