@@ -812,6 +812,33 @@ def test_a_new_request_replaces_the_old_traffics_averages_quickly():
     assert slow.expected(s) - low <= 0.3 * (high - low)  # the moving average alone: about 1 - 0.95^4
 
 
+def test_a_point_seen_in_few_of_the_new_requests_rounds_still_follows_them():
+    """The plain mean after restart_averages counts each point's own rounds: a point seen whole only
+    in every third round of its family (smaller trees in between, as score probes and rounds of
+    another N make) weighs its first rounds as 1/2, 1/3, ..., not as the family's count would (with
+    one count per family, after four rounds of its own the past still weighed about a third)."""
+    rng = np.random.default_rng(13)
+    mk = lambda n, hi: Observation(  # noqa: E731
+        "treeflash", np.sort(-rng.uniform(0, 0.3, n - 1)) if hi else np.full(n - 1, -6.0), np.zeros(0, bool), 1, 8,
+        m_rank=np.zeros(n - 1, int), k_rank=np.zeros(n - 1, int))
+    s = Setting("treeflash", 32, 1, 8)
+    model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    for _ in range(100):
+        model.observe(mk(32, False))
+    low = model.expected(s)
+    model.restart_averages()
+    for _ in range(4):
+        model.observe(mk(32, True))
+        for _ in range(2):
+            model.observe(mk(8, True))  # not the N = 32 point's whole tree
+    only_sure = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    for _ in range(20):
+        only_sure.observe(mk(32, True))
+    high = only_sure.expected(s)
+    assert high > low + 5.0
+    assert model.expected(s) - low >= 0.75 * (high - low)  # the past weighs 1/5 after four of its rounds
+
+
 def test_support_counts_rounds_even_when_a_new_request_weighs_its_first_rounds_more():
     model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
     rng = np.random.default_rng(12)
