@@ -174,7 +174,10 @@ class TreeTuner:
         self._probe_next = {"plain": (2, 2), "family": (2, 2)}
         self._plain_probes = 0
         self._probe: Setting | None = None  # the tree the runner scores after this plain step
-        self._waiting: list = []  # score probes waiting for the tokens that label them: [setting, raw, tokens]
+        self._predicted: float | None = None  # the unscaled tokens predicted for this round's chosen tree
+        self._probe_predicted: float | None = None  # ... and for the tree of the last score probe
+        # score probes waiting for the tokens that label them: [setting, raw, tokens, unscaled prediction]
+        self._waiting: list = []
         self.without_context = 0  # engine rounds of plain decoding that skipped the drafter's context
         self.held_for_context = 0  # engine rounds that ran plain decoding, not the tree chosen (see _context)
         self._hold = (None, 0)  # (bucket, engine rounds left) of plain decoding by far without asking again
@@ -327,6 +330,7 @@ class TreeTuner:
                         self._requests[k][2] = True
             self.without_context += 1
             self.used[PLAIN] += 1
+            self._predicted = None
             if self._runner is not None:
                 self._runner.capture_now = True
             return self._config(PLAIN)
@@ -340,6 +344,12 @@ class TreeTuner:
             s = self._context(s, bucket, requests)
         self.current = s
         self._probe = None
+        # A round of the chosen tree, or of a tree run because it was predicted best of its kind (a
+        # confirming round, a refresh): what it gains against its unscaled prediction teaches the
+        # realised factor (after_round). Seeds and growth run on the prior or an optimistic guess.
+        chosen = s.mode != "ar" and self.auto.explore_reason not in ("seed", "grow")
+        self._predicted = (self.auto.acceptance.expected(s, stream, self.auto.block_size, raw=True)
+                           if chosen else None)
         if self._runner is not None and self.captures:
             self._runner.capture_now = self._worth_capturing()
         if self._runner is not None and not self.captures:
@@ -417,6 +427,10 @@ class TreeTuner:
             return None
         hopeful = (self.auto.predicted_rate(best, bucket, self.stream) or 0.0) >= (ref or float("inf"))
         self._probe_next[kind] = (n + gap, min(2 * gap, PROBE_EVERY if hopeful else MAX_PROBE_GAP))
+        # The probed tree is its family's best prediction, as a chosen tree is the best of all: what
+        # it would have gained, known in hindsight, teaches the realised factor too (_label_probes),
+        # also while plain decoding runs, where no chosen tree would.
+        self._probe_predicted = self.auto.acceptance.expected(best, self.stream, self.auto.block_size, raw=True)
         return best
 
     def _config(self, s: Setting) -> TreeConfig:
@@ -453,6 +467,8 @@ class TreeTuner:
         s = self.current
         if s is not None and gained is not None:
             self.tokens[s] += gained
+            if self._predicted is not None:
+                self.auto.acceptance.observe_gain(self._predicted, gained)
         family_probe = s is not None and s.mode != "ar" and self._probe is not None
         if family_probe:  # drafted from this round's root: its own tokens are the first labels
             self._wait_for_labels(runner, slot, tokens)
@@ -468,21 +484,23 @@ class TreeTuner:
     def _wait_for_labels(self, runner, slot: int, tokens: list[int] | None) -> None:
         probe = runner.probe_observation(slot)
         if probe is not None and tokens is not None:
-            self._waiting.append([self._probe, probe, []])
+            self._waiting.append([self._probe, probe, [], self._probe_predicted])
 
     def _label_probes(self, tokens: list[int]) -> None:
         """The tokens a round committed extend every waiting probe's continuation; a probe whose every
         node can now be told accepted or not feeds the acceptance model."""
         still = []
         for entry in self._waiting:
-            s, raw, got = entry
+            s, raw, got, predicted = entry
             got.extend(tokens)
             labels = hindsight_labels(raw["tokens"], raw["parents"], got)
             if labels is None:
                 still.append(entry)
                 continue
-            self.auto.acceptance.observe(observation(s, {**raw, "accepted": labels, "verified": len(labels)}),
-                                         self.stream, deployment=False)
+            obs = observation(s, {**raw, "accepted": labels, "verified": len(labels)})
+            if predicted is not None:  # the probed tree's own nodes: its best N - 1 (the report holds more)
+                self.auto.acceptance.observe_gain(predicted, 1.0 + float(obs.accepted[: s.tree_size - 1].sum()))
+            self.auto.acceptance.observe(obs, self.stream, deployment=False)
         self._waiting = still
 
     def report(self) -> dict:
@@ -492,6 +510,9 @@ class TreeTuner:
                                             if s in self.tokens}
         rep["cost_ms"] = {str(b): c.to_json() for b, c in self.auto.cost.buckets.items()}
         rep["resumed_acceptance"] = self.resumed
+        factor = getattr(self.auto.acceptance, "realised_factor", None)
+        if factor is not None:  # what predicted trees gained over their predictions (scales every tree's gain)
+            rep["realised_factor"] = factor()
         rep["plain_rounds_without_context"] = self.without_context
         rep["tree_rounds_held_for_context"] = self.held_for_context
         return rep

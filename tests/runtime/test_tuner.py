@@ -450,8 +450,11 @@ class FixedAcceptance:
     def __init__(self, f):
         self.f = f
 
-    def expected(self, s, stream=None, block_size=None):
+    def expected(self, s, stream=None, block_size=None, raw=False):
         return 1.0 if s.mode == "ar" else self.f(s)
+
+    def observe_gain(self, predicted, gained):  # what the chosen trees gained: not learnt here
+        pass
 
 
 def cheap_verify_cost() -> CostModel:
@@ -839,6 +842,39 @@ def test_a_point_seen_in_few_of_the_new_requests_rounds_still_follows_them():
     assert model.expected(s) - low >= 0.75 * (high - low)  # the past weighs 1/5 after four of its rounds
 
 
+def test_the_realised_factor_scales_predictions_by_what_the_chosen_trees_gained():
+    """Chosen trees that gain 60% of their predicted gain scale every tree's predicted gain to 60% (the
+    raw prediction stays available), within the factor's range; the factor is kept with the model."""
+    from treeflash_runtime.tuner.acceptance import REALISED_EMA, REALISED_PRIOR, REALISED_RANGE
+
+    rng = np.random.default_rng(14)
+    model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    for _ in range(50):
+        model.observe(synthetic_round(rng, 16, 8, 1.0)[0])
+    s = Setting("treeflash", 16, 1, 8)
+    raw = model.expected(s, raw=True)
+    assert raw > 2.0 and model.expected(s) == pytest.approx(raw)  # no chosen round yet: factor 1
+    for _ in range(300):
+        model.observe_gain(raw, 1.0 + 0.6 * (raw - 1.0))
+    weight = (1 - (1 - REALISED_EMA) ** 300) / REALISED_EMA  # the moving sums' weight of 300 equal rounds
+    factor = (0.6 * (raw - 1.0) * weight + REALISED_PRIOR) / ((raw - 1.0) * weight + REALISED_PRIOR)
+    assert factor < 0.7 and model.realised_factor() == pytest.approx(factor)
+    assert model.expected(s) - 1.0 == pytest.approx(factor * (raw - 1.0))
+    assert model.expected(s, raw=True) == raw and model.expected(PLAIN) == 1.0
+    again = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    again.load_json(json.loads(json.dumps(model.to_json())))
+    assert again.realised_factor() == pytest.approx(model.realised_factor())
+    bad = json.loads(json.dumps(model.to_json()))
+    bad["realised"] = [-1.0, 2.0]
+    fresh = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
+    with pytest.raises(ValueError, match="realised"):
+        fresh.load_json(bad)
+    assert fresh.rounds == 0 and fresh.realised_factor() == 1.0  # unchanged
+    for _ in range(500):  # trees that gain nothing: the factor stops at its floor
+        model.observe_gain(raw, 1.0)
+    assert model.realised_factor() == REALISED_RANGE[0]
+
+
 def test_support_counts_rounds_even_when_a_new_request_weighs_its_first_rounds_more():
     model = AcceptanceModel(sizes=SIZES, top_ms=(1,), top_ks=(4, 8))
     rng = np.random.default_rng(12)
@@ -945,6 +981,42 @@ def test_each_request_reports_its_first_tree_rounds_even_after_the_deployment_ha
         assert all(reported[:REQUEST_OBSERVE])
         later = reported[REQUEST_OBSERVE:]
         assert 0 < sum(later) <= len(later) // OBSERVE_EVERY + 3  # every 4th, and the family probes' rounds
+
+
+def test_rounds_of_trees_predicted_best_teach_the_realised_factor_seeds_and_growth_do_not():
+    """What a round gained goes to the realised factor with the unscaled prediction it ran on, for the
+    choice's rounds, confirming ones and refreshes (each runs a tree predicted best of its kind), not
+    for seeds or growth (the prior, an optimistic guess), nor for plain decoding."""
+    from types import SimpleNamespace
+
+    from treeflash_runtime.tuner.online import TreeTuner
+
+    tree = Setting("treeflash", 4, 1, 16)
+    cost = CostModel({1: BucketCosts(ar=10, draft=0, verify={4: 10}, expand={(1, 16): 0}, tree={4: 0}, other=0)})
+    auto = AutoTuner(cost, AcceptanceModel(), [tree], B, explore_every=0, seed_rounds=0, confirm_every=0)
+    taught = []
+    auto.acceptance = FixedAcceptance(lambda s: 3.0)
+    auto.acceptance.observe_gain = lambda predicted, gained: taught.append((predicted, gained))
+    auto.acceptance.restart_averages = lambda: None
+    auto.acceptance.rounds = 0
+    plan = [(tree, None), (tree, "seed"), (tree, "confirm"), (tree, "grow"), (tree, "refresh"), (PLAIN, None),
+            (tree, None)]
+
+    def setting(bucket=1, stream=None):
+        s, reason = plan.pop(0)
+        auto.exploring, auto.explore_reason = reason is not None, reason
+        return s
+
+    auto.setting = setting
+    tuner = TreeTuner(auto)
+    runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None, observation=lambda slot, t: None,
+                             probe_observation=lambda slot: None)
+    tuner.serve(runner)
+    tuner.new_generation()
+    for gained in (2, 4, 1, 5, 3, 1, 2):
+        tuner.next_tree(1)
+        tuner.after_round(runner, gained=gained, tokens=[7] * gained)
+    assert taught == [(3.0, 2), (3.0, 1), (3.0, 3), (3.0, 2)]
 
 
 def test_an_engine_request_running_alone_decides_on_its_own_counts():

@@ -427,17 +427,27 @@ def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pa
     labelled = []
     real = tuner._label_probes
 
+    gains, from_probes = [], []
+
     def spy(tokens):
-        waiting = len(tuner._waiting)
+        waiting, taught = len(tuner._waiting), len(gains)
         real(tokens)
         labelled.append(waiting - len(tuner._waiting))
+        from_probes.append(len(gains) - taught)
 
     tuner._label_probes = spy
+    real_gain = tuner.auto.acceptance.observe_gain
+    tuner.auto.acceptance.observe_gain = lambda predicted, gained: gains.append((predicted, gained)) or \
+        real_gain(predicted, gained)
     res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=40), tuner=tuner)
     assert res.token_ids == want
     assert res.stats.tuning["settings_used"].get("ar", 0) >= 30
     assert sum(labelled) >= 3  # the probes after plain steps 2, 4, 8 and 16 at least, once labelled
     assert runner.probe_tree is None and not tuner._waiting
+    # Each labelled probe taught the realised factor what its tree would have gained, against its
+    # unscaled prediction (plain decoding ran: no chosen tree would have).
+    assert sum(from_probes) == sum(labelled)
+    assert all(p >= 1.0 and 1.0 <= g <= 64 for p, g in gains), gains
 
 
 def test_tree_rounds_probe_the_other_family_and_its_labels_stay_with_the_request(load, pair_dirs, tmp_path):
