@@ -227,6 +227,7 @@ class AcceptanceModel:
         self.partial_n = {f: np.zeros(shape(f)) for f in self.combos}
         self.rounds = 0
         self.realised = (0.0, 0.0)  # moving sums of the gains realised and predicted (see realised_factor)
+        self.recorder = None  # a replay.Recording that records what this model is taught, if any
         self._coef_memo: dict = {}
         self._combo_at = {f: {mk: i for i, mk in enumerate(c)} for f, c in self.combos.items()}
         self._size_at = {int(n): i for i, n in enumerate(self.sizes)}
@@ -241,6 +242,8 @@ class AcceptanceModel:
 
     def restart_averages(self) -> None:
         """The next rounds weigh more in the averages (see _observe_curves): a new request begins."""
+        if self.recorder is not None:
+            self.recorder.restart()
         for f in self._fresh.values():
             for k in f.values():
                 k[...] = 0.0
@@ -256,6 +259,8 @@ class AcceptanceModel:
         accepted = np.asarray(obs.accepted, dtype=bool)
         if len(accepted) > len(scores):
             raise ValueError(f"{len(accepted)} acceptance labels for {len(scores)} scored nodes")
+        if self.recorder is not None:
+            self.recorder.observe(obs, stream, deployment)
         fam = _family(obs.mode)
         self._coef_memo.clear()
         self.rounds += 1

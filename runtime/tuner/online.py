@@ -176,6 +176,7 @@ class TreeTuner:
         self._probe: Setting | None = None  # the tree the runner scores after this plain step
         self._predicted: float | None = None  # the unscaled tokens predicted for this round's chosen tree
         self._probe_predicted: float | None = None  # ... and for the tree of the last score probe
+        self.recorder = None  # a replay.Recording of the rounds, if any (see replay.Recording.attach)
         # score probes waiting for the tokens that label them: [setting, raw, tokens, unscaled prediction]
         self._waiting: list = []
         self.without_context = 0  # engine rounds of plain decoding that skipped the drafter's context
@@ -350,6 +351,8 @@ class TreeTuner:
         chosen = s.mode != "ar" and self.auto.explore_reason not in ("seed", "grow")
         self._predicted = (self.auto.acceptance.expected(s, stream, self.auto.block_size, raw=True)
                            if chosen else None)
+        if self.recorder is not None and s.mode != "ar":
+            self.recorder.round(s, self.auto.explore_reason, stream)
         if self._runner is not None and self.captures:
             self._runner.capture_now = self._worth_capturing()
         if self._runner is not None and not self.captures:
@@ -467,6 +470,8 @@ class TreeTuner:
         s = self.current
         if s is not None and gained is not None:
             self.tokens[s] += gained
+            if self.recorder is not None and s.mode != "ar":
+                self.recorder.gained(gained)
             if self._predicted is not None:
                 self.auto.acceptance.observe_gain(self._predicted, gained)
         family_probe = s is not None and s.mode != "ar" and self._probe is not None

@@ -479,3 +479,60 @@ def test_tree_rounds_probe_the_other_family_and_its_labels_stay_with_the_request
     assert all((a == "treeflash") != (b == "treeflash") for a, b in probes), probes
     assert calls.count(False) >= 2  # labelled probes, kept from the deployment's calibration
     assert runner.probe_tree is None and not tuner._waiting
+
+
+def test_a_recorded_generation_replays_to_the_predictions_it_ran_on(load, pair_dirs, tmp_path, capsys):
+    """A tuned generation recorded (tuner.replay) and replayed through a fresh acceptance model gives,
+    for every tree round it could predict, exactly the unscaled prediction the live tuner had before
+    that round, and the tokens the round gained; the file round-trips and the summary reads it."""
+    from treeflash_runtime.tuner.acceptance import AcceptanceModel
+    from treeflash_runtime.tuner.replay import Recording, main, replay, summary
+
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[0])["input_ids"]
+    want = hf_greedy(pair.verifier, ids, 96)
+    runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + want, seed=1)
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree_part=1.0))
+    recording = Recording().attach(tuner)
+    live, real_next, real_after = [], tuner.next_tree, tuner.after_round
+
+    def next_tree(*a, **k):
+        tree = real_next(*a, **k)
+        s = tuner.current
+        if s.mode != "ar":
+            live.append([tuner.auto.acceptance.expected(s, tuner.stream, runner.block_size, raw=True),
+                         tuner.auto.explore_reason, None])
+        return tree
+
+    def after_round(*a, gained=None, **k):
+        if tuner.current.mode != "ar":
+            live[-1][2] = gained
+        return real_after(*a, gained=gained, **k)
+
+    tuner.next_tree, tuner.after_round = next_tree, after_round
+    recording.request("the prompt")
+    res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=96), tuner=tuner)
+    assert res.token_ids == want
+    path = recording.save(tmp_path / "rounds.json")
+    rows = replay(Recording.load(path), AcceptanceModel())
+    expect = [(p, reason, g) for p, reason, g in live if p is not None]
+    assert len(expect) >= 10 and any(reason is None for _, reason, _ in expect)  # the choice ran trees
+    assert [(r.predicted, r.reason, r.gained) for r in rows] == expect
+    assert {r.label for r in rows} == {"the prompt"}
+    chosen = [r for r in rows if r.reason in (None, "confirm", "refresh")]
+    s = summary(rows)
+    assert s["rounds"] == len(chosen)
+    assert s["bias"] == pytest.approx(sum(r.predicted - r.gained for r in chosen) / len(chosen))
+    assert main([str(path)]) == 0
+    assert f"{len(chosen)} rounds" in capsys.readouterr().out
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a recording"):
+        Recording.load(tmp_path / "other.json")
+
+
+def test_bench_records_only_the_one_sequence_rows(tmp_path):
+    from treeflash_runtime.bench.cli import main
+
+    out = CliRunner().invoke(main, ["--record", str(tmp_path / "r.json"), "--concurrency", "1,4"])
+    assert out.exit_code == 2 and "--record records the one-sequence rows" in out.output
+    assert not (tmp_path / "r.json").exists()
