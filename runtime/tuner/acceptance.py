@@ -381,9 +381,9 @@ class AcceptanceModel:
         over the rounds of 30 held-out requests, the chosen tree's prediction was 0.33 tokens a round
         above its gain (0.59 on everyday chat) while the nodes of those very rounds, calibrated,
         predicted within 0.13; scaled by this factor (counting the chosen rounds only), the
-        prediction's bias was 0.02 and its mean error fell from 0.93 to 0.83 tokens. The prior of REALISED_PRIOR tokens keeps a first contact's few unlucky
-        rounds from taking the trees off at once (with 2 tokens, `make demo`'s prompt ran plain
-        decoding in 42 of its first 94 rounds)."""
+        prediction's bias was 0.02 and its mean error fell from 0.93 to 0.83 tokens. The prior of
+        REALISED_PRIOR tokens keeps a first contact's few unlucky rounds from taking the trees off at
+        once (with 2 tokens, `make demo`'s prompt ran plain decoding in 42 of its first 94 rounds)."""
         g, p = self.realised
         return float(np.clip((g + REALISED_PRIOR) / (p + REALISED_PRIOR), *REALISED_RANGE))
 

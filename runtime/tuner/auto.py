@@ -68,6 +68,10 @@ from .setting import PLAIN, Setting
 
 PRIOR_GAIN = 0.75  # tokens gained per doubling of the tree before any round says otherwise
 FAMILIES = ("treeflash", "marginal", "chain")
+# Exploration rounds that run on the prior or an optimistic guess, not because their tree was predicted
+# best of its kind (as the choice, a confirming round and a refresh are): what they gain says nothing of
+# how far the predictions the tuner acts on are off (AcceptanceModel.realised_factor).
+UNPREDICTED = ("seed", "grow")
 
 
 class Realised:

@@ -24,7 +24,7 @@ from treeflash_export.config import TreeConfig
 from treeflash_export.errors import ConfigError
 
 from .acceptance import AcceptanceModel, Observation, RequestStream
-from .auto import AutoTuner
+from .auto import UNPREDICTED, AutoTuner
 from .cache import AcceptanceStore, CostCache, CostKey, pair_fingerprint
 from .cost import CostModel, default_grid, measure
 from .setting import FIELDS, PLAIN, Setting, candidate_settings
@@ -348,7 +348,7 @@ class TreeTuner:
         # A round of the chosen tree, or of a tree run because it was predicted best of its kind (a
         # confirming round, a refresh): what it gains against its unscaled prediction teaches the
         # realised factor (after_round). Seeds and growth run on the prior or an optimistic guess.
-        chosen = s.mode != "ar" and self.auto.explore_reason not in ("seed", "grow")
+        chosen = s.mode != "ar" and self.auto.explore_reason not in UNPREDICTED
         self._predicted = (self.auto.acceptance.expected(s, stream, self.auto.block_size, raw=True)
                            if chosen else None)
         if self.recorder is not None and s.mode != "ar":
@@ -515,9 +515,8 @@ class TreeTuner:
                                             if s in self.tokens}
         rep["cost_ms"] = {str(b): c.to_json() for b, c in self.auto.cost.buckets.items()}
         rep["resumed_acceptance"] = self.resumed
-        factor = getattr(self.auto.acceptance, "realised_factor", None)
-        if factor is not None:  # what predicted trees gained over their predictions (scales every tree's gain)
-            rep["realised_factor"] = factor()
+        # what trees predicted best gained over their predictions (it scales every tree's gain)
+        rep["realised_factor"] = self.auto.acceptance.realised_factor()
         rep["plain_rounds_without_context"] = self.without_context
         rep["tree_rounds_held_for_context"] = self.held_for_context
         return rep

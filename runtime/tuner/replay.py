@@ -33,11 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from .acceptance import AcceptanceModel, Observation, RequestStream
+from .auto import UNPREDICTED
 from .setting import Setting
-
-# Rounds that ran on the prior or an optimistic guess: they do not teach the realised factor (as in
-# online.TreeTuner.next_tree).
-UNPREDICTED = ("seed", "grow")
 
 
 @dataclass(frozen=True)
@@ -154,11 +151,11 @@ def replay(recording: Recording, model: AcceptanceModel) -> list[Row]:
     return rows
 
 
-def summary(rows: list[Row], reasons=(None, "confirm", "refresh")) -> dict:
-    """Over the rows of these reasons (by default the trees that ran because they were predicted best):
-    rounds, the mean tokens predicted (unscaled and scaled) and gained, and each prediction's mean
-    error and bias (predicted - gained)."""
-    rows = [r for r in rows if r.reason in reasons]
+def summary(rows: list[Row]) -> dict:
+    """Over the rows of trees that ran because they were predicted best (not UNPREDICTED): rounds, the
+    mean tokens predicted (unscaled and scaled) and gained, and each prediction's mean error and bias
+    (predicted - gained)."""
+    rows = [r for r in rows if r.reason not in UNPREDICTED]
     if not rows:
         return {"rounds": 0}
     p, s, g = (np.array([getattr(r, k) for r in rows], dtype=float) for k in ("predicted", "scaled", "gained"))

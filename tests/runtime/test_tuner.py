@@ -456,6 +456,9 @@ class FixedAcceptance:
     def observe_gain(self, predicted, gained):  # what the chosen trees gained: not learnt here
         pass
 
+    def realised_factor(self):
+        return 1.0
+
 
 def cheap_verify_cost() -> CostModel:
     """A big-GPU-like bucket: a 64-node verification costs little more than one token."""
