@@ -127,6 +127,23 @@ def fast_kernels_default(device: torch.device, compiled: bool) -> bool:
     return layer_ops.triton is not None
 
 
+def draft_head_default(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the expansion's LM head rows are kept and multiplied in: bf16 on a CPU with bf16
+    instructions (AVX512-BF16 or AMX) where the model runs in fp32, else the model's own. The
+    expansion multiplies a few rows (the drafter's block, M parent rows per position) by the whole
+    draft vocabulary's rows, so it reads the head's weights for little arithmetic; in bf16 it reads
+    half as much through faster kernels. On the demo pair's 2-core CPU (23,242 draft rows of 576) it
+    took 2.7 ms of a 5.8 ms expansion against 12.7 of 16, and fixed trees generated 14% faster. The
+    drafter's numbers decide only which tokens the tree holds; the verifier, in the model's dtype,
+    decides the output, so the output is unchanged."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return dtype
+    cpu = torch.cpu
+    fast = any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported",
+                                                                      "_is_amx_tile_supported"))
+    return torch.bfloat16 if fast else dtype
+
+
 def build_tree_fast(tables: Tables, root: torch.Tensor, tree_size: int) -> Tree:
     """The tree-build kernel (treeflash_kernels.build_tree, one program per tree) on CUDA where it
     fits, else the tree algebra's build_tree: the same trees either way. Single or batched tables."""
@@ -159,7 +176,7 @@ class TorchRunner(Runner):
     def __init__(self, verifier_hf, drafter=None, *, capacity: int, max_batch: int = 1, tree: TreeConfig | None = None,
                  tree_size_by_batch: dict[int, int] | None = None, fused: bool = True, cuda_graphs: bool = True,
                  compile: bool = False, fast_kernels: bool | None = None, capture_at_start: bool = True,
-                 draft_vocab: int | None = None, log=None):
+                 draft_vocab: int | None = None, draft_head: torch.dtype | None = None, log=None):
         """verifier_hf: a Hugging Face causal LM; drafter: a TreeFlashDrafter or None (plain decoding only).
         fused: the TreeFlash head through torch.ops.treeflash.mlp_expand (the Triton kernels on CUDA,
         the PyTorch reference elsewhere) rather than the module composition.
@@ -176,6 +193,7 @@ class TorchRunner(Runner):
         graph serving can need now (capture_all) rather than on first use. draft_vocab: how many tokens
         the drafter ranks (treeflash_export.models.draft_vocab): None = the drafter's own list
         (draft-vocab.json; the whole vocabulary without one), 0 = the whole vocabulary, N = its first N.
+        draft_head: the dtype of the expansion's LM head rows (a copy; see draft_head_default, None).
         log: progress lines."""
         if max_batch < 1:
             raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
@@ -197,6 +215,7 @@ class TorchRunner(Runner):
             self.build_tree = build_tree
         self._own_drafter_setting()
         self.vocab_size = self.verifier.vocab_size
+        self.draft_head = draft_head_default(self.device, self.dtype) if draft_head is None else draft_head
         self._draft_vocabulary(draft_vocab)
         self.block_size = drafter.cfg.block_size if drafter is not None else 1
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else -1
@@ -313,23 +332,31 @@ class TorchRunner(Runner):
             self.configure(tree)
 
     def _draft_vocabulary(self, size: int | None) -> None:
-        """The LM head rows the expansion ranks: ``draft_ids`` (ascending token ids) and their rows, a
-        copy; None for the whole vocabulary. ``draft_vocab_size`` is their number either way."""
+        """The LM head rows the expansion ranks: ``draft_ids`` (ascending token ids, None for the whole
+        vocabulary) and ``draft_rows``, their rows as a copy in ``draft_head``'s dtype (None: the
+        verifier's head itself, the whole vocabulary in the model's dtype). ``draft_vocab_size`` is
+        their number either way."""
         from treeflash_export.models import draft_vocab
 
         order = self.drafter.vocab_order if self.drafter is not None else None
         ids = draft_vocab.select(order, size, self.vocab_size) if self.drafter is not None else None
         head = self.verifier.lm_head
         self.draft_ids = None if ids is None else ids.to(self.device)
-        self.draft_rows = None if ids is None else head.weight.index_select(0, self.draft_ids)
-        self.draft_bias = None if ids is None or head.bias is None else head.bias.index_select(0, self.draft_ids)
         self.draft_vocab_size = self.vocab_size if ids is None else len(ids)
+        self.draft_rows = self.draft_bias = None
+        if ids is None and (self.drafter is None or self.draft_head == head.weight.dtype):
+            return
+        pick = (lambda t: t) if ids is None else (lambda t: t.index_select(0, self.draft_ids))
+        self.draft_rows = pick(head.weight).to(self.draft_head)
+        self.draft_bias = None if head.bias is None else pick(head.bias).to(self.draft_head)
 
     def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The drafter's logits over its draft vocabulary (the whole vocabulary without one)."""
+        """The drafter's logits over its draft vocabulary (the whole vocabulary without one), in x's
+        dtype (computed in ``draft_head``'s)."""
         if self.draft_rows is None:
             return self.verifier.lm_head(x)
-        return torch.nn.functional.linear(x, self.draft_rows, self.draft_bias)
+        rows = self.draft_rows
+        return torch.nn.functional.linear(x.to(rows.dtype), rows, self.draft_bias).to(x.dtype)
 
     def _own_drafter_setting(self) -> None:
         """The drafter module is the caller's and may serve several runners: it takes this runner's

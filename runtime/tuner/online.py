@@ -82,7 +82,12 @@ def cost_key(runner, sources, dtype: str) -> CostKey:
     return CostKey(pair_fingerprint(*sources), name, dtype, runner.name, __version__, max_batch=runner.max_batch,
                    capacity=runner.capacity, block_size=runner.block_size,
                    options=f"graphs={runner.use_graphs} kernels={runner.fast_kernels} compiled={runner.compiled} "
-                           f"draft_vocab={_draft_vocab(runner)}")
+                           f"draft_vocab={_draft_vocab(runner)} draft_head={_draft_head(runner)}")
+
+
+def _draft_head(runner) -> str:
+    """The dtype the runner's expansion multiplies its LM head rows in (its expansion's cost)."""
+    return str(getattr(runner, "draft_head", "model")).removeprefix("torch.")
 
 
 def _draft_vocab(runner) -> int:

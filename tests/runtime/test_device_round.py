@@ -413,6 +413,7 @@ class HostTensorSpy(TorchDispatchMode):
 
 def _device_tensors(runner) -> list[torch.Tensor]:
     found = [t for t in vars(runner.state).values() if isinstance(t, torch.Tensor)]
+    found += [t for t in vars(runner).values() if isinstance(t, torch.Tensor)]  # its own: the head's rows
     for module in (runner.verifier, runner.drafter):
         for m in module.modules():  # parameters, buffers and plain tensor attributes (merged weights)
             found += [t for t in tree_leaves(vars(m)) if isinstance(t, torch.Tensor)]

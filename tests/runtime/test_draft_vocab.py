@@ -90,14 +90,15 @@ def test_subset_tables_map_back_to_the_full_vocabularys_tokens(load):
     parents it expands), the tables hold the same tokens and links: the columns map back to ids."""
     pair = load("qwen3")
     V = pair.verifier.config.vocab_size
-    full = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=0)
+    # In fp32 (the CPU default may multiply the head in bf16): the columns are compared exactly.
+    full = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=0, draft_head=torch.float32)
     tree = TreeConfig(mode="treeflash", tree_size=16, top_m=2, top_k=4).resolved(full.block_size)
     full.begin(torch.tensor(_ids(pair, 1)), tree, SamplingConfig())
     z = full.draft()[0]
     want = full.tables(full.state.root[:1], z, tree)
     parents = full.verifier.lm_head(full.drafter.model.norm(z)).topk(tree.top_m, dim=-1).indices
     keep = torch.unique(torch.cat([want.tokens.flatten(), parents.flatten(), torch.arange(0, V, 7)]))
-    sub = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=0)
+    sub = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=0, draft_head=torch.float32)
     sub.draft_ids = keep
     sub.draft_rows = sub.verifier.lm_head.weight.index_select(0, keep)
     sub.draft_vocab_size = len(keep)
@@ -124,3 +125,49 @@ def test_a_drafter_folder_brings_its_draft_vocabulary(pair_dirs, tmp_path):
     (drafter / draft_vocab.FILE).write_text(json.dumps({"format": 1, "ids": [1, 1]}))
     with pytest.raises(CheckpointError, match="draft vocabulary"):
         load_pair(str(src / "verifier"), str(drafter))
+
+
+@pytest.mark.parametrize("head", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", ["treeflash", "marginal", "chain"])
+def test_the_expansions_head_dtype_leaves_the_output_the_verifiers(load, mode, head):
+    """The expansion's LM head rows in bf16 (the default on a CPU with bf16 instructions) or in the
+    model's fp32, with and without a draft vocabulary, one sequence and request slots: the trees
+    change at most, greedy output stays transformers' own."""
+    from test_slots import BUDGETS, engine_for, prompts_of
+    from treeflash_runtime.serving.engine import Request
+
+    pair = load("qwen3")
+    V = pair.verifier.config.vocab_size
+    for vocab in (0, V // 2):
+        runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=vocab, draft_head=head)
+        assert runner.draft_head == head
+        assert (runner.draft_rows is None) == (vocab == 0 and head == torch.float32)
+        if runner.draft_rows is not None:
+            assert runner.draft_rows.dtype == head
+            assert runner.draft_logits(torch.zeros(2, runner.draft_rows.shape[1])).dtype == torch.float32
+        for i in range(2):
+            ids = _ids(pair, i)
+            res = generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=24))
+            assert res.token_ids == hf_greedy(pair.verifier, ids, 24), (mode, vocab, i)
+    engine = engine_for(pair, mode, draft_head=head)
+    prompts = prompts_of(pair)
+    requests = [Request(ids, SamplingConfig(max_new_tokens=n, stop_token_ids=())) for ids, n in zip(prompts, BUDGETS)]
+    engine.run(requests)
+    for r, ids, n in zip(requests, prompts, BUDGETS):
+        assert r.tokens == hf_greedy(pair.verifier, ids, n), (mode, ids)
+
+
+def test_the_head_is_bf16_by_default_only_on_a_cpu_with_bf16_instructions_under_an_fp32_model(monkeypatch):
+    from treeflash_runtime.backends.torch_backend import draft_head_default
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for avx512_bf16, amx in ((True, False), (False, True), (False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        want = torch.bfloat16 if avx512_bf16 or amx else torch.float32
+        assert draft_head_default(cpu, torch.float32) == want
+        assert draft_head_default(cpu, torch.float16) == torch.float16  # a 16-bit model keeps its own
+        assert draft_head_default(cuda, torch.float32) == torch.float32  # GPUs: the model's dtype
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert draft_head_default(cpu, torch.float32) == torch.float32  # a torch without the checks: fp32

@@ -323,7 +323,7 @@ def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load
     run through an eager stand-in: outputs still equal greedy decoding, and the round function uses
     only device state and its own results (the dispatch-mode spy of test_device_round)."""
     from conftest import hf_greedy
-    from test_device_round import HostTensorSpy, captured_form
+    from test_device_round import HostTensorSpy, _device_tensors, captured_form
 
     from treeflash_runtime.serving.engine import Request
 
@@ -345,11 +345,7 @@ def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load
     for r, ids, n in zip(requests, prompts, BUDGETS):
         assert r.tokens == hf_greedy(pair.verifier, ids, n), (mode, ids)
     assert len(captured) == at_start == len(runner._graphs)  # serving captured nothing more
-    st = runner.state
-    known = [t for t in vars(st).values() if isinstance(t, torch.Tensor)]
-    for module in (runner.verifier, runner.drafter):
-        for m in module.modules():
-            known += [t for t in torch.utils._pytree.tree_leaves(vars(m)) if isinstance(t, torch.Tensor)]
+    known = _device_tensors(runner)
     args = (torch.zeros(2, 8, dtype=torch.long), torch.arange(2), torch.tensor([3, 8]), torch.tensor([False, True]))
     with torch.inference_mode(), HostTensorSpy(known + list(args)) as spy:  # args: a replay's static inputs
         runner._round(3, runner._bucket_tree(3), NUCLEUS)

@@ -53,6 +53,17 @@ def serve_five(engine, pair, budgets) -> list[tuple]:
     return list(zip(requests, prompts, budgets))
 
 
+def test_the_expansions_head_dtype_keys_the_cost_cache(load, pair_dirs):
+    """A bf16 expansion head costs less than an fp32 one: a model measured with one is not read back
+    for the other."""
+    from treeflash_runtime.backends.torch_backend import TorchRunner
+
+    pair, sources = load("qwen3"), _sources(pair_dirs)
+    keys = [cost_key(TorchRunner(pair.verifier, pair.drafter, capacity=64, draft_head=d), sources, "float32")
+            for d in (torch.bfloat16, torch.float32, torch.bfloat16)]
+    assert keys[0] == keys[2] and keys[0] != keys[1] and "draft_head=bfloat16" in keys[0].options
+
+
 @pytest.mark.parametrize("fixed", [{}, {"mode": "marginal"}, {"mode": "treeflash", "tree_size": 8}],
                          ids=["all-auto", "marginal", "treeflash-N8"])
 def test_tuned_rounds_are_exact(load, pair_dirs, tmp_path, fixed):
