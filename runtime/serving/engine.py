@@ -107,7 +107,8 @@ class Engine:
             for request in running:
                 request.accept_lengths.append(len(gained[request.slot]))
                 if self.tuner is not None:
-                    self.tuner.after_round(runner, request.slot, len(gained[request.slot]), request=id(request))
+                    self.tuner.after_round(runner, request.slot, len(gained[request.slot]), gained[request.slot],
+                                           request=id(request))
                 self._emit(request, gained[request.slot])
         for request in sorted((r for r in sched.slots if r.stop_reason), key=lambda r: -r.slot):
             self._retire(request, FINISHED, request.stop_reason)

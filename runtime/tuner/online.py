@@ -43,8 +43,9 @@ OBSERVE_EVERY = 4
 # after easy ones ran TreeFlash N=4 predicted at 2.5 tokens a round for ten rounds while each round's
 # own nodes said 1.6 (two reports in those ten rounds).
 REQUEST_OBSERVE = 16
-# Score probes (one sequence, eagerly). While plain decoding runs, its 2nd, 4th, 8th and 16th plain
-# steps also draft and score the best tree of one family without verifying it, TreeFlash and the
+# Score probes (one sequence, or the engine's request while it runs alone; eagerly). While plain
+# decoding runs, its 2nd, 4th, 8th and 16th plain steps also draft and score the best tree of one
+# family without verifying it, TreeFlash and the
 # marginal tree in turn (TorchRunner._probe_scores: a drafter pass, the expansion and the tree
 # build, about a quarter of a plain step of the demo pair);
 # while a tree runs, its 2nd, 4th, 8th and 16th rounds also score the best tree of the other family
@@ -175,14 +176,14 @@ class TreeTuner:
         self._request_trees = 0  # tree rounds of this request of one sequence (see REQUEST_OBSERVE)
         # Per kind of probe (plain: during plain decoding; family: during a tree round, of the other
         # family): rounds of that kind since serve, and (the round of the next probe, the gap after it).
-        self._probe_rounds = {"plain": 0, "family": 0}
-        self._probe_next = {"plain": (2, 2), "family": (2, 2)}
-        self._plain_probes = 0
+        self._restart_probes()
         self._probe: Setting | None = None  # the tree the runner scores after this plain step
+        self._probe_request = None  # the engine's key of the request a probe this round drafts for
         self._predicted: float | None = None  # the unscaled tokens predicted for this round's chosen tree
         self._probe_predicted: float | None = None  # ... and for the tree of the last score probe
         self.recorder = None  # a replay.Recording of the rounds, if any (see replay.Recording.attach)
-        # score probes waiting for the tokens that label them: [setting, raw, tokens, unscaled prediction]
+        # score probes waiting for the tokens that label them: [setting, raw, tokens, unscaled prediction,
+        # the engine's request key (None: one sequence), the stream their labels calibrate]
         self._waiting: list = []
         self.without_context = 0  # engine rounds of plain decoding that skipped the drafter's context
         self.held_for_context = 0  # engine rounds that ran plain decoding, not the tree chosen (see _context)
@@ -284,12 +285,14 @@ class TreeTuner:
             self._hold = (None, 0)
             self.auto.acceptance.restart_averages()
             self.auto.new_request()
+            self._restart_probes()
         elif self._hold[1]:
             self._joined = True  # marked by its first held round (see next_tree)
 
     def retired(self, key) -> None:
-        """The engine's request ``key`` left its slot."""
+        """The engine's request ``key`` left its slot (with the score probes that waited for its tokens)."""
         self._requests.pop(key, None)
+        self._waiting = [e for e in self._waiting if e[4] != key]
 
     def serve(self, runner) -> None:
         """Before a generation or an engine admits anything: the cost model is measured now (the probe
@@ -302,10 +305,14 @@ class TreeTuner:
         runner.capture_now = self._worth_capturing()
         self._runner = runner
         self._rounds = 0
+        self._restart_probes()
+        self._hold, self._joined = (None, 0), False
+
+    def _restart_probes(self) -> None:
+        """The score probes' schedule starts again (a generation, or a request that runs alone)."""
         self._probe_rounds = {"plain": 0, "family": 0}
         self._probe_next = {"plain": (2, 2), "family": (2, 2)}
         self._plain_probes = 0
-        self._hold, self._joined = (None, 0), False
 
     def release(self, runner) -> None:
         """The runner's extra work for the tuner off again."""
@@ -336,7 +343,7 @@ class TreeTuner:
                         self._requests[k][2] = True
             self.without_context += 1
             self.used[PLAIN] += 1
-            self._predicted = None
+            self._predicted = self._probe = None
             if self._runner is not None:
                 self._runner.capture_now = True
             return self._config(PLAIN)
@@ -370,8 +377,11 @@ class TreeTuner:
                 self._request_trees += young
             self._runner.observing = (self.auto.exploring or self.auto.acceptance.rounds < OBSERVE_ALL
                                       or self._rounds % OBSERVE_EVERY == 0 or young)
-            if not self.auto.exploring and self.stream is not None:
-                self._probe = self._probe_due(s, bucket)
+            # Score probes: one sequence, or the engine's request while it runs alone (as one sequence
+            # would; its plain steps keep the drafter's context unless plain decoding wins by far).
+            if not self.auto.exploring and stream is not None and self._runner.keep_context:
+                self._probe = self._probe_due(s, bucket, stream)
+                self._probe_request = None if requests is None else requests[0]
                 if self._probe is not None:
                     self._runner.observing = True
             self._runner.probe_tree = None if self._probe is None else self._config(self._probe)
@@ -409,7 +419,7 @@ class TreeTuner:
             return PLAIN
         return s
 
-    def _probe_due(self, s: Setting, bucket: int) -> Setting | None:
+    def _probe_due(self, s: Setting, bucket: int, stream: RequestStream) -> Setting | None:
         """The tree to score-probe in this round of the choice s, if one is due: while plain decoding
         runs, the best tree of each family in turn (TreeFlash first); while a tree runs, the best tree
         of the other family (TreeFlash for the marginal tree and the chain, and the reverse), whose
@@ -433,12 +443,12 @@ class TreeTuner:
             ref = choice.tokens_per_s
         if best is None or best.mode not in ("treeflash", "marginal"):
             return None
-        hopeful = (self.auto.predicted_rate(best, bucket, self.stream) or 0.0) >= (ref or float("inf"))
+        hopeful = (self.auto.predicted_rate(best, bucket, stream) or 0.0) >= (ref or float("inf"))
         self._probe_next[kind] = (n + gap, min(2 * gap, PROBE_EVERY if hopeful else MAX_PROBE_GAP))
         # The probed tree is its family's best prediction, as a chosen tree is the best of all: what
         # it would have gained, known in hindsight, teaches the realised factor too (_label_probes),
         # also while plain decoding runs, where no chosen tree would.
-        self._probe_predicted = self.auto.acceptance.expected(best, self.stream, self.auto.block_size, raw=True)
+        self._probe_predicted = self.auto.acceptance.expected(best, stream, self.auto.block_size, raw=True)
         return best
 
     def _config(self, s: Setting) -> TreeConfig:
@@ -479,29 +489,36 @@ class TreeTuner:
                 self.recorder.gained(gained)
             if self._predicted is not None:
                 self.auto.acceptance.observe_gain(self._predicted, gained)
+        own = self._requests.get(request) if request is not None else None
+        stream = self.stream if own is None else own[0]
         family_probe = s is not None and s.mode != "ar" and self._probe is not None
         if family_probe:  # drafted from this round's root: its own tokens are the first labels
-            self._wait_for_labels(runner, slot, tokens)
+            self._wait_for_labels(runner, slot, tokens, request, stream)
         if tokens is not None and self._waiting:  # earlier score probes: these tokens may label them now
-            self._label_probes(tokens)
+            self._label_probes(tokens, request)
         if s is not None and s.mode == "ar" and self._probe is not None:  # a plain step with a score probe
-            self._wait_for_labels(runner, slot, tokens)
+            self._wait_for_labels(runner, slot, tokens, request, stream)
         # A round with a family probe reported the probe's nodes instead of its own.
         raw = None if s is None or s.mode == "ar" or family_probe else runner.observation(slot, self._config(s))
-        own = self._requests.get(request) if request is not None else None
-        self.auto.observe(None if raw is None else observation(s, raw), self.stream if own is None else own[0])
+        self.auto.observe(None if raw is None else observation(s, raw), stream)
 
-    def _wait_for_labels(self, runner, slot: int, tokens: list[int] | None) -> None:
-        probe = runner.probe_observation(slot)
+    def _wait_for_labels(self, runner, slot: int, tokens: list[int] | None, request, stream) -> None:
+        """The probe of this round waits for the tokens that label it: the tokens of the request it
+        drafted for (one sequence: request None), whose stream its labels calibrate."""
+        probe = runner.probe_observation(slot) if request == self._probe_request else None
         if probe is not None and tokens is not None:
-            self._waiting.append([self._probe, probe, [], self._probe_predicted])
+            self._waiting.append([self._probe, probe, [], self._probe_predicted, request, stream])
 
-    def _label_probes(self, tokens: list[int]) -> None:
-        """The tokens a round committed extend every waiting probe's continuation; a probe whose every
-        node can now be told accepted or not feeds the acceptance model."""
+    def _label_probes(self, tokens: list[int], request=None) -> None:
+        """The tokens a round committed for a request extend the continuation of every probe waiting for
+        that request's tokens; a probe whose every node can now be told accepted or not feeds the
+        acceptance model."""
         still = []
         for entry in self._waiting:
-            s, raw, got, predicted = entry
+            s, raw, got, predicted, key, stream = entry
+            if key != request:
+                still.append(entry)
+                continue
             got.extend(tokens)
             labels = hindsight_labels(raw["tokens"], raw["parents"], got)
             if labels is None:
@@ -510,7 +527,7 @@ class TreeTuner:
             obs = observation(s, {**raw, "accepted": labels, "verified": len(labels)})
             if predicted is not None:  # the probed tree's own nodes: its best N - 1 (the report holds more)
                 self.auto.acceptance.observe_gain(predicted, 1.0 + float(obs.accepted[: s.tree_size - 1].sum()))
-            self.auto.acceptance.observe(obs, self.stream, deployment=False)
+            self.auto.acceptance.observe(obs, stream, deployment=False)
         self._waiting = still
 
     def report(self) -> dict:

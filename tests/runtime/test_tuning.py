@@ -440,9 +440,9 @@ def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pa
 
     gains, from_probes = [], []
 
-    def spy(tokens):
+    def spy(tokens, request=None):
         waiting, taught = len(tuner._waiting), len(gains)
-        real(tokens)
+        real(tokens, request)
         labelled.append(waiting - len(tuner._waiting))
         from_probes.append(len(gains) - taught)
 
@@ -473,8 +473,8 @@ def test_tree_rounds_probe_the_other_family_and_its_labels_stay_with_the_request
     probes, calls = [], []
     real_due, real_observe = tuner._probe_due, tuner.auto.acceptance.observe
 
-    def due(s, bucket):
-        p = real_due(s, bucket)
+    def due(s, bucket, stream):
+        p = real_due(s, bucket, stream)
         if p is not None and s.mode != "ar":
             probes.append((s.mode, p.mode))
         return p
@@ -490,6 +490,70 @@ def test_tree_rounds_probe_the_other_family_and_its_labels_stay_with_the_request
     assert all((a == "treeflash") != (b == "treeflash") for a, b in probes), probes
     assert calls.count(False) >= 2  # labelled probes, kept from the deployment's calibration
     assert runner.probe_tree is None and not tuner._waiting
+
+
+def test_a_request_alone_in_the_engine_is_probed_as_one_sequence_is(load, pair_dirs, tmp_path):
+    """Request slots: while a request runs alone, its rounds get the score probes of one sequence, and
+    the tokens it commits label them for its own calibration; while two requests share the rounds no
+    probe runs, a request's probes are never labelled by another's tokens, and none waits once the
+    requests are gone. Every request equals its own greedy decoding."""
+    from test_slots import prompts_of
+
+    from treeflash_runtime.serving.engine import Engine, Request
+
+    pair = load("qwen3")
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, max_batch=2,
+                         tree=TreeConfig(mode="treeflash", tree_size=16, top_m=4, top_k=8))
+    model = CostModel({b: costs(ar=10.0, tree_part=3.0).buckets[1] for b in runner.buckets})
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, model)
+    probed, labelled = [], []
+    real_next, real_observe = tuner.next_tree, tuner.auto.acceptance.observe
+
+    def next_tree(bucket=1, requests=None):
+        tree = real_next(bucket, requests)
+        if tuner._probe is not None:
+            probed.append(tuple(requests))
+        return tree
+
+    def observe(obs, stream=None, deployment=True):
+        if not deployment:
+            labelled.append(stream)
+        return real_observe(obs, stream, deployment)
+
+    tuner.next_tree, tuner.auto.acceptance.observe = next_tree, observe
+    engine = Engine(runner, prefill_chunk=8, tuner=tuner)
+    prompts = prompts_of(pair)
+    alone = Request(prompts[2], SamplingConfig(max_new_tokens=40))
+    engine.run([alone])
+    assert alone.tokens == hf_greedy(pair.verifier, prompts[2], 40)
+    assert len(probed) >= 3 and {len(k) for k in probed} == {1}
+    assert len(labelled) >= 2 and all(s is not None for s in labelled)  # the request's own stream
+    probed.clear()
+    two = [Request(prompts[i], SamplingConfig(max_new_tokens=n)) for i, n in ((0, 48), (1, 12))]
+    engine.run(two)
+    for r, i, n in zip(two, (0, 1), (48, 12)):
+        assert r.tokens == hf_greedy(pair.verifier, prompts[i], n)
+    assert probed and all(k == (id(two[0]),) for k in probed)  # only once the shorter one had left
+    assert not tuner._waiting and runner.probe_tree is None
+
+
+def test_a_waiting_probe_is_labelled_by_its_own_requests_tokens_only(pair_dirs, tmp_path):
+    """The engine's probes wait keyed by request: another request's tokens leave them as they are, and
+    a request that leaves takes its waiting probes with it."""
+    from treeflash_runtime.tuner.acceptance import AcceptanceModel, RequestStream
+    from treeflash_runtime.tuner.auto import AutoTuner
+    from treeflash_runtime.tuner.setting import Setting
+
+    tuner = TreeTuner(AutoTuner(costs(ar=10.0, tree_part=1.0), AcceptanceModel(), [Setting("marginal", 4, 1, 4)], 8))
+    raw = {"tokens": [5, 6], "parents": [0, 1]}  # a chain of two nodes: labelled once two tokens are known
+    for key in ("a", "b"):
+        tuner._waiting.append([Setting("marginal", 4, 1, 4), dict(raw), [], None, key, RequestStream()])
+    tuner._label_probes([5], "b")
+    assert [e[2] for e in tuner._waiting] == [[], [5]]
+    tuner.retired("b")
+    assert [e[4] for e in tuner._waiting] == ["a"]
+    tuner._label_probes([7, 8], "c")
+    assert [e[2] for e in tuner._waiting] == [[]]
 
 
 def test_a_recorded_generation_replays_to_the_predictions_it_ran_on(load, pair_dirs, tmp_path, capsys):
