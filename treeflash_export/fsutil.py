@@ -32,6 +32,21 @@ def atomic_folder(out: Path):
         raise
 
 
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Writes `text` to a unique temporary sibling renamed over `path`: a reader sees the old file or
+    the new one, and a failed write (Ctrl-C, a full disk) leaves no temporary file behind."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def atomic_torch_save(obj, path: Path) -> None:
     """torch.save to a temporary sibling renamed over `path`: a reader sees the old file or the new one."""
     import torch

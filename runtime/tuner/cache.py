@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from treeflash_export.fsutil import atomic_write_text
 
 from .cost import CostModel
 
@@ -111,16 +111,7 @@ def read_keyed(path: Path, key: dict, parse: Callable[[dict], object], what: str
 def write_keyed(path: Path, key: dict, payload: dict) -> Path:
     """Writes {format, key, **payload} to `path` atomically (temp file + os.replace)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"format": FORMAT, "key": key, **payload}, indent=1, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(path, json.dumps({"format": FORMAT, "key": key, **payload}, indent=1, sort_keys=True))
 
 
 class AcceptanceStore:

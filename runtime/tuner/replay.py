@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from treeflash_export.fsutil import atomic_write_text
+
 from .acceptance import AcceptanceModel, Observation, RequestStream
 from .auto import UNPREDICTED
 from .setting import Setting
@@ -98,11 +100,8 @@ class Recording:
 
     # ---- files -----------------------------------------------------------------------------------
     def save(self, path) -> Path:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"version": 1, "block_size": self.block_size, "events": self.events}))
-        tmp.replace(path)  # nothing half-written
-        return path
+        return atomic_write_text(Path(path), json.dumps({"version": 1, "block_size": self.block_size,
+                                                         "events": self.events}))
 
     @classmethod
     def load(cls, path) -> "Recording":
