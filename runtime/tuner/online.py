@@ -17,6 +17,7 @@ import contextlib
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,9 +46,8 @@ OBSERVE_EVERY = 4
 REQUEST_OBSERVE = 16
 # Score probes (one sequence, or the engine's request while it runs alone; eagerly). While plain
 # decoding runs, its 2nd, 4th, 8th and 16th plain steps also draft and score the best tree of one
-# family without verifying it, TreeFlash and the
-# marginal tree in turn (TorchRunner._probe_scores: a drafter pass, the expansion and the tree
-# build, about a quarter of a plain step of the demo pair);
+# family without verifying it, TreeFlash and the marginal tree in turn (TorchRunner._probe_scores: a
+# drafter pass, the expansion and the tree build, about a quarter of a plain step of the demo pair);
 # while a tree runs, its 2nd, 4th, 8th and 16th rounds also score the best tree of the other family
 # (TreeFlash beside the marginal tree or the chain, and the reverse) from the round's own drafter
 # pass. Then every PROBE_EVERY-th such round while the probed tree is predicted at least as fast as
@@ -142,6 +142,17 @@ class LazyCost:
         return getattr(self._model, name)
 
 
+class WaitingProbe(NamedTuple):
+    """A score probe waiting for the tokens that label it in hindsight (TreeTuner._label_probes)."""
+
+    setting: Setting  # the probed tree
+    raw: dict  # the runner's report of its nodes (probe_observation)
+    got: list  # the tokens committed from the probe's root on, so far
+    predicted: float | None  # the unscaled tokens predicted for the tree (teaches the realised factor)
+    request: object  # the engine's key of the request it drafted for (None: one sequence)
+    stream: RequestStream | None  # the stream its labels calibrate
+
+
 class TreeTuner:
     """Per round, the tree to run (an AutoTuner's choice among the candidates) and the observation of
     the round that ran; ``used`` counts the settings run, ``report`` is for --json."""
@@ -182,9 +193,7 @@ class TreeTuner:
         self._predicted: float | None = None  # the unscaled tokens predicted for this round's chosen tree
         self._probe_predicted: float | None = None  # ... and for the tree of the last score probe
         self.recorder = None  # a replay.Recording of the rounds, if any (see replay.Recording.attach)
-        # score probes waiting for the tokens that label them: [setting, raw, tokens, unscaled prediction,
-        # the engine's request key (None: one sequence), the stream their labels calibrate]
-        self._waiting: list = []
+        self._waiting: list[WaitingProbe] = []  # score probes waiting for the tokens that label them
         self.without_context = 0  # engine rounds of plain decoding that skipped the drafter's context
         self.held_for_context = 0  # engine rounds that ran plain decoding, not the tree chosen (see _context)
         self._hold = (None, 0)  # (bucket, engine rounds left) of plain decoding by far without asking again
@@ -292,7 +301,7 @@ class TreeTuner:
     def retired(self, key) -> None:
         """The engine's request ``key`` left its slot (with the score probes that waited for its tokens)."""
         self._requests.pop(key, None)
-        self._waiting = [e for e in self._waiting if e[4] != key]
+        self._waiting = [w for w in self._waiting if w.request != key]
 
     def serve(self, runner) -> None:
         """Before a generation or an engine admits anything: the cost model is measured now (the probe
@@ -507,27 +516,27 @@ class TreeTuner:
         drafted for (one sequence: request None), whose stream its labels calibrate."""
         probe = runner.probe_observation(slot) if request == self._probe_request else None
         if probe is not None and tokens is not None:
-            self._waiting.append([self._probe, probe, [], self._probe_predicted, request, stream])
+            self._waiting.append(WaitingProbe(self._probe, probe, [], self._probe_predicted, request, stream))
 
     def _label_probes(self, tokens: list[int], request=None) -> None:
         """The tokens a round committed for a request extend the continuation of every probe waiting for
         that request's tokens; a probe whose every node can now be told accepted or not feeds the
         acceptance model."""
         still = []
-        for entry in self._waiting:
-            s, raw, got, predicted, key, stream = entry
-            if key != request:
-                still.append(entry)
+        for w in self._waiting:
+            if w.request != request:
+                still.append(w)
                 continue
-            got.extend(tokens)
-            labels = hindsight_labels(raw["tokens"], raw["parents"], got)
+            w.got.extend(tokens)
+            labels = hindsight_labels(w.raw["tokens"], w.raw["parents"], w.got)
             if labels is None:
-                still.append(entry)
+                still.append(w)
                 continue
-            obs = observation(s, {**raw, "accepted": labels, "verified": len(labels)})
-            if predicted is not None:  # the probed tree's own nodes: its best N - 1 (the report holds more)
-                self.auto.acceptance.observe_gain(predicted, 1.0 + float(obs.accepted[: s.tree_size - 1].sum()))
-            self.auto.acceptance.observe(obs, stream, deployment=False)
+            s = w.setting
+            obs = observation(s, {**w.raw, "accepted": labels, "verified": len(labels)})
+            if w.predicted is not None:  # the probed tree's own nodes: its best N - 1 (the report holds more)
+                self.auto.acceptance.observe_gain(w.predicted, 1.0 + float(obs.accepted[: s.tree_size - 1].sum()))
+            self.auto.acceptance.observe(obs, w.stream, deployment=False)
         self._waiting = still
 
     def report(self) -> dict:

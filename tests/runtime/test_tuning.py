@@ -542,18 +542,19 @@ def test_a_waiting_probe_is_labelled_by_its_own_requests_tokens_only(pair_dirs, 
     a request that leaves takes its waiting probes with it."""
     from treeflash_runtime.tuner.acceptance import AcceptanceModel, RequestStream
     from treeflash_runtime.tuner.auto import AutoTuner
+    from treeflash_runtime.tuner.online import WaitingProbe
     from treeflash_runtime.tuner.setting import Setting
 
     tuner = TreeTuner(AutoTuner(costs(ar=10.0, tree_part=1.0), AcceptanceModel(), [Setting("marginal", 4, 1, 4)], 8))
     raw = {"tokens": [5, 6], "parents": [0, 1]}  # a chain of two nodes: labelled once two tokens are known
     for key in ("a", "b"):
-        tuner._waiting.append([Setting("marginal", 4, 1, 4), dict(raw), [], None, key, RequestStream()])
+        tuner._waiting.append(WaitingProbe(Setting("marginal", 4, 1, 4), dict(raw), [], None, key, RequestStream()))
     tuner._label_probes([5], "b")
-    assert [e[2] for e in tuner._waiting] == [[], [5]]
+    assert [w.got for w in tuner._waiting] == [[], [5]]
     tuner.retired("b")
-    assert [e[4] for e in tuner._waiting] == ["a"]
+    assert [w.request for w in tuner._waiting] == ["a"]
     tuner._label_probes([7, 8], "c")
-    assert [e[2] for e in tuner._waiting] == [[]]
+    assert [w.got for w in tuner._waiting] == [[]]
 
 
 def test_a_recorded_generation_replays_to_the_predictions_it_ran_on(load, pair_dirs, tmp_path, capsys):
