@@ -191,7 +191,7 @@ def _run_lines(sess, lines, stops, encode, common, as_json) -> None:
 
     lines = [dataclasses.replace(line, sampling=dataclasses.replace(line.sampling, stop_token_ids=stops))
              for line in lines]
-    if not hasattr(sess.runner, "max_batch"):
+    if sess.runner.max_batch == 1:
         click.echo(f"note: the {sess.runner.name} backend serves one sequence at a time: the prompts run one after "
                    f"another", err=True)
     t0 = time.perf_counter()

@@ -73,7 +73,7 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
                      log=log)
     t0 = time.perf_counter()
     if max_batch:  # request slots served together (in-flight batching), with the deployment's tree
-        from .backends.torch_backend import TorchRunner
+        from .backends.pytorch import TorchRunner
 
         runner = TorchRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree,
                              tree_size_by_batch=tree_size_by_batch, cuda_graphs=cuda_graphs,
@@ -86,6 +86,16 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
     return Session(runner, pair.tokenizer, tree, tuple(eos_token_ids(pair.tokenizer, pair.verifier)),
                    str(torch_dtype).replace("torch.", ""), stages,
                    sources=tuple(str(p) for p in (model, drafter if tree.mode != "ar" else None) if p))
+
+
+def build_tuner(sess: Session, fixed: dict | None = None, *, retune: bool = False, log=None):
+    """The self-tuning tree for a session's runner (the one place it is built): it chooses the tree
+    settings left out of ``fixed`` (field -> value), with the session's pair and dtype naming its
+    caches and its drafter temperature shaping the trees."""
+    from .tuner.online import TreeTuner
+
+    return TreeTuner.for_runner(sess.runner, fixed or {}, sources=sess.sources, dtype=sess.dtype, retune=retune,
+                                log=log, drafter_temperature=sess.tree.drafter_temperature)
 
 
 def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | None = None,
@@ -123,10 +133,7 @@ def session_from_artifacts(folder: str, requested: dict, *, max_seq_len: int | N
         out = Session(sess.runner, tok, tree, art.stop_token_ids, art.dtype, {**stages, **sess.load_stages_s},
                       sources=sess.sources)
         if tune and tree.mode != "ar":
-            from .tuner.online import TreeTuner
-
-            out.tuner = TreeTuner.for_runner(sess.runner, {}, sources=sess.sources, dtype=art.dtype, log=log,
-                                             drafter_temperature=tree.drafter_temperature)
+            out.tuner = build_tuner(out, log=log)
         return out
     cls = get_runner_class(backend)
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""The generation loop over a runner's rounds (draft -> expand -> build tree -> verify ->
-accept -> commit; each backend runs a round its own way behind ``Runner.round``).
+"""One generation (``generate``): the engine loop (treeflash_runtime.engine) with one request, and
+its statistics.
 
 Bookkeeping per round (P = committed length, i.e. tokens whose verifier KV is final):
 - ``root`` is the last emitted token, not yet in the verifier cache; it is node 0
@@ -13,8 +13,6 @@ Bookkeeping per round (P = committed length, i.e. tokens whose verifier KV is fi
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -22,9 +20,10 @@ from typing import Callable
 import torch
 
 from treeflash_export.config import SamplingConfig, TreeConfig
-from treeflash_export.errors import ConfigError
 
 from .backends.base import Runner
+from .engine import Engine, fixed_plans
+from .scheduler import FAILED, Request
 
 
 @dataclass
@@ -60,64 +59,6 @@ class GenerationResult:
     stop_reason: str  # "stop_token" | "max_new_tokens" | "stopped" (on_tokens returned True)
 
 
-def checked_tree(runner: Runner, tree: TreeConfig) -> TreeConfig:
-    """The tree setting as this runner will use it (resolved), after checking that the runner can."""
-    if tree.mode != "ar":
-        if runner.block_size < 2:
-            raise ConfigError(f"mode {tree.mode!r} needs a drafter; this runner has none (use mode 'ar')")
-        tree.validate(block_size=runner.block_size, vocab_size=runner.draft_vocab_size or runner.vocab_size,
-                      has_head=runner.has_head)
-    return tree.resolved(runner.block_size)
-
-
-def required_capacity(prompt_len: int, max_new_tokens: int, tree_size: int) -> int:
-    """Cache slots needed: the last round starts at P <= prompt + max_new - 1 and writes N tree slots."""
-    return prompt_len + max_new_tokens - 1 + max(tree_size, 1)
-
-
-def check_capacity(runner: Runner, prompt_len: int, sampling: SamplingConfig, tree: TreeConfig) -> None:
-    if prompt_len < 1:
-        raise ConfigError("the prompt is empty")
-    S = runner.capacity
-    if prompt_len > S:
-        raise ConfigError(f"the prompt is {prompt_len} tokens but the cache holds {S}: "
-                          f"shorten the prompt or raise --max-seq-len")
-    need = required_capacity(prompt_len, sampling.max_new_tokens, tree.tree_size)
-    if need > S:
-        raise ConfigError(
-            f"prompt ({prompt_len}) + max new tokens ({sampling.max_new_tokens}) + tree ({tree.tree_size}) "
-            f"needs {need} cache slots but the cache holds {S}: lower --max-new-tokens or raise --max-seq-len"
-        )
-
-
-class Emitter:
-    """Collects emitted tokens, applies stop tokens and the token budget, and streams."""
-
-    def __init__(self, sampling: SamplingConfig, on_tokens: Callable[[list[int]], None] | None):
-        self.tokens: list[int] = []
-        self.stop = set(sampling.stop_token_ids)
-        self.budget = sampling.max_new_tokens
-        self.on_tokens = on_tokens
-        self.reason = ""
-
-    def emit(self, new: list[int]) -> bool:
-        """Returns True when generation must end."""
-        take = []
-        for t in new:
-            take.append(t)
-            if t in self.stop:
-                self.reason = "stop_token"
-                break
-            if len(self.tokens) + len(take) >= self.budget:
-                self.reason = "max_new_tokens"
-                break
-        self.tokens.extend(take)
-        # A callback that returns True ends generation after these tokens (stop words, cancelled streams).
-        if self.on_tokens is not None and take and self.on_tokens(take) and not self.reason:
-            self.reason = "stopped"
-        return bool(self.reason)
-
-
 def generate(
     runner: Runner,
     prompt_ids: list[int] | torch.Tensor,
@@ -126,51 +67,31 @@ def generate(
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     tuner=None,
 ) -> GenerationResult:
-    """Speculative (or, with mode 'ar', plain) generation over one runner. tuner: a self-tuning tree
-    (treeflash_runtime.tuner.online.TreeTuner) that picks each round's tree instead of ``tree``."""
+    """Speculative (or, with mode 'ar', plain) generation of one prompt: an engine with one request.
+    tuner: a self-tuning tree (treeflash_runtime.tuner.online.TreeTuner) that plans each round
+    instead of ``tree``."""
     sampling.validate()
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=runner.device).reshape(-1)
-    P = int(prompt.shape[0])
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).tolist()
     if tuner is not None:
-        # The largest tree the tuner may pick must fit, whichever it starts with; checked before the
-        # tuner's first choice (which may measure the cost model).
-        check_capacity(runner, P, sampling, dataclasses.replace(tree, tree_size=tuner.max_tree_size))
         tuner.new_generation()
-        tree = tuner.next_tree()
-    tree = checked_tree(runner, tree)
-    if tuner is None:
-        check_capacity(runner, P, sampling, tree)
-    stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=P)
-    out = Emitter(sampling, on_tokens)
-
-    try:
-        with contextlib.nullcontext() if tuner is None else tuner.driving(runner):
-            t0 = time.perf_counter()
-            first = runner.begin(prompt, tree, sampling)
-            stats.prefill_s = time.perf_counter() - t0
-            done = out.emit([first])
-            while not done:
-                if tuner is not None and stats.rounds:
-                    runner.set_tree(tuner.next_tree())
-                t_round = time.perf_counter()
-                gained = runner.round()
-                if tuner is not None:
-                    tuner.round_took(time.perf_counter() - t_round)
-                    tuner.after_round(runner, gained=len(gained), tokens=gained)
-                stats.rounds += 1
-                stats.accept_lengths.append(len(gained))
-                done = out.emit(gained)
-    finally:
-        # The generation's slot is free again (request slots: slot 0 of one occupied), so that a cost
-        # probe of the self-tuning tree may take it before the next generation.
-        free = getattr(runner, "release", None)
-        if free is not None:
-            free(0, 1)
+        policy = tuner
+    else:
+        policy = fixed_plans(runner, tree)
+        tree = policy.trees[1]
+    stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=len(prompt))
+    request = Request(prompt, sampling, on_tokens=on_tokens)
+    t0 = time.perf_counter()
+    Engine(runner, policy, max_active=1).run([request])
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
+    if request.state == FAILED:
+        raise RuntimeError(request.error)
     stats.elapsed_s = time.perf_counter() - t0
-    stats.new_tokens = len(out.tokens)
+    stats.prefill_s = (request.first_token_at or time.perf_counter()) - t0
+    stats.rounds = len(request.accept_lengths)
+    stats.accept_lengths = list(request.accept_lengths)
+    stats.new_tokens = len(request.tokens)
     if tuner is not None:
         stats.mode = tuner.fixed_mode or "auto"
         stats.tuning = tuner.report()
-    return GenerationResult(out.tokens, stats, out.reason)
+    return GenerationResult(request.tokens, stats, request.stop_reason)

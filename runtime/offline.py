@@ -1,11 +1,11 @@
 """`treeflash-run --prompts-file`: many prompts, served together through the in-flight batching
-engine (torch backend) or one after another (the graph backends), results in input order."""
+engine (torch backend; the graph backends hold one slot, so one after another), results in input
+order."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,31 +66,24 @@ def read_prompts_file(path: str | Path, defaults: SamplingConfig) -> list[Prompt
 
 
 def run_prompt_lines(session, lines: list[PromptLine], encode, progress) -> list[dict]:
-    """Generates every line on the session's runner; returns per line the fields of treeflash-run's
-    --json (timings from submission, so they include waiting for a slot)."""
-    from .loop import generate
+    """Generates every line through the engine on the session's runner (its slots at once; a one-slot
+    runner one after another); returns per line the fields of treeflash-run's --json (timings from
+    submission, so they include waiting for a slot)."""
+    from .engine import Engine, fixed_plans
+    from .scheduler import Request
 
-    ids = [encode(line.prompt) for line in lines]
+    runner = session.runner
+    policy = session.tuner
+    if policy is None and not (runner.deployment and runner.max_batch > 1):  # else the runner's tree by bucket
+        policy = fixed_plans(runner, session.tree)
+    requests = [Request(encode(line.prompt), line.sampling) for line in lines]
+    Engine(runner, policy=policy).run(requests, progress=lambda r: progress())  # submits (checks) all, then runs
     results = []
-    if hasattr(session.runner, "max_batch"):
-        from .serving.engine import Engine, Request
-
-        requests = [Request(i, line.sampling) for i, line in zip(ids, lines)]
-        Engine(session.runner, tuner=session.tuner).run(requests, progress=lambda r: progress())  # submits (checks) all, then runs
-        for request, line in zip(requests, lines):
-            end = request.token_times[-1] if request.token_times else request.submitted_at
-            results.append(_fields(request.tokens, request.accept_lengths,
-                                   request.stop_reason, len(request.prompt_ids),
-                                   (request.first_token_at or end) - request.submitted_at,
-                                   end - request.submitted_at, line.sampling))
-        return results
-    for i, line in zip(ids, lines):
-        t0 = time.perf_counter()
-        result = generate(session.runner, i, session.tree, line.sampling)
-        s = result.stats
-        results.append(_fields(result.token_ids, s.accept_lengths, result.stop_reason, s.prompt_tokens, s.prefill_s,
-                               time.perf_counter() - t0, line.sampling))
-        progress()
+    for request, line in zip(requests, lines):
+        end = request.token_times[-1] if request.token_times else request.submitted_at
+        results.append(_fields(request.tokens, request.accept_lengths, request.stop_reason, len(request.prompt_ids),
+                               (request.first_token_at or end) - request.submitted_at, end - request.submitted_at,
+                               line.sampling))
     return results
 
 

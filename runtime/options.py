@@ -106,7 +106,7 @@ def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size
     folder. batch: max_batch (and tree_size_by_batch) for request slots on the torch backend. Tree
     settings given as 'auto' are chosen round by round by the self-tuning tree (``Session.tuner``):
     on the torch backend over checkpoints, one sequence at a time."""
-    from .factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
+    from .factory import DEFAULT_CAPACITY, build_tuner, session_from_artifacts, session_from_checkpoints
 
     requested = dict(mode=mode, tree_size=tree_size, top_m=top_m, top_k=top_k,
                      drafter_temperature=drafter_temperature)
@@ -133,11 +133,7 @@ def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size
                                         fast_kernels=kernels, mode_auto="mode" in auto,
                                         draft_vocab=None if draft_vocab == "auto" else draft_vocab, **batch)
         if auto:
-            from .tuner.online import TreeTuner
-
-            fixed = {k: v for k, v in given.items() if k in TUNED}
-            sess.tuner = TreeTuner.for_runner(sess.runner, fixed, sources=sess.sources, dtype=sess.dtype, retune=retune,
-                                              log=log, drafter_temperature=tree.drafter_temperature)
+            sess.tuner = build_tuner(sess, {k: v for k, v in given.items() if k in TUNED}, retune=retune, log=log)
         return sess
     return session_from_artifacts(artifacts, requested, max_seq_len=max_seq_len, backend=backend, device=device,
                                   dtype=dtype, verify_checksums=verify_checksums, cuda_graphs=cuda_graphs,

@@ -51,7 +51,7 @@ def heldout(demo):
 @pytest.mark.parametrize("mode", ["treeflash", "marginal", "chain", "ar"])
 def test_demo_pair_greedy_equals_smollm2(demo, heldout, mode):
     from treeflash_runtime import generate
-    from treeflash_runtime.backends.torch_backend import TorchRunner
+    from treeflash_runtime.backends.pytorch import TorchRunner
 
     runner = TorchRunner(demo.verifier, demo.drafter, capacity=256)
     gains = []

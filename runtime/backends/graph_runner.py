@@ -1,4 +1,4 @@
-"""The loop's runner contract on top of the three exported graphs (verify, draft, expand).
+"""The runner contract (one slot) on top of the three exported graphs (verify, draft, expand).
 
 Subclasses only say how to run one graph (ONNX Runtime sessions, TensorRT engines);
 the orchestration is written once here: prefill in chunks of the verify graph's
@@ -34,6 +34,9 @@ class GraphRunner(StagedRunner):
         self.mask_token_id = sh.mask_token_id
         self.has_head = artifact.tree.mode == "treeflash"
         self.built_tree = artifact.tree
+        self.deployment = {1: artifact.tree.resolved(sh.block)}
+        self.max_tree_size = max(self.deployment[1].tree_size, 1)
+        self.occupied = 0
         self.kv = self.draft_kv = None
 
     def run_graph(self, name: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -62,13 +65,11 @@ class GraphRunner(StagedRunner):
         self.kv[:, :, :, past_len : past_len + n] = out["new_kv"]
         return out["logits"], out["features"]
 
-    def prefill(self, tokens):
+    def encode(self, tokens, past_len):
         chunk = self.shapes.max_tokens
         feats, logits = [], None
         for start in range(0, tokens.shape[0], chunk):
-            part = tokens[start : start + chunk]
-            tree = chain_tree(part)
-            logits, f = self._verify(tree, start)
+            logits, f = self._verify(chain_tree(tokens[start : start + chunk]), past_len + start)
             feats.append(f)
         return logits[-1], torch.cat(feats)
 

@@ -1,6 +1,6 @@
 """Request-slot bookkeeping that needs no tensors: the batch buckets rounds are captured for, each
 bucket's tree size, and the groups a batched prefill is split into. The runner itself
-(treeflash_runtime.backends.torch_backend.TorchRunner) serves one sequence as its one-slot case.
+(treeflash_runtime.backends.pytorch.TorchRunner) serves one sequence as its one-slot case.
 """
 
 from __future__ import annotations

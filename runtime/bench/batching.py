@@ -25,7 +25,7 @@ def summary_ms(values: list[float]) -> dict:
 
 def serve_closed_loop(engine, prompts: list[list[int]], sampling: SamplingConfig, concurrency: int):
     """Serves every prompt with at most `concurrency` in flight; returns (requests, wall seconds)."""
-    from ..serving.engine import Request
+    from ..engine import Request
 
     requests = [Request(ids, sampling) for ids in prompts]
     queue = iter(requests)
@@ -63,7 +63,7 @@ def run_batching_bench(sess, prompts: list[list[int]], concurrency: list[int], m
     repeat > 1: every variant and concurrency runs that many times, the variants taking turns (a
     machine that slows down or speeds up during the run then touches them all alike), and each row
     is the run with the median tokens/s, with every run's tokens/s beside it."""
-    from ..serving.engine import Engine
+    from ..engine import Engine, fixed_plans
 
     if not concurrency or min(concurrency) < 1:
         raise TreeFlashError("--concurrency takes batch sizes >= 1, e.g. 1,4,8")
@@ -71,20 +71,19 @@ def run_batching_bench(sess, prompts: list[list[int]], concurrency: list[int], m
         raise TreeFlashError("--repeat must be >= 1")
     runner = sess.runner
     if variants is None:
-        variants = [(runner.tree.mode, None, None, sess.tuner)]
+        variants = [(runner.deployment[1].mode, None, None, sess.tuner)]
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
     runs: dict[tuple[int, int], list[dict]] = {}  # (variant index, concurrency) -> its rows
     reference = None
     for turn in range(repeat):
         for i, (label, tree, table, tuner) in enumerate(variants):
-            if tree is not None:
-                runner.configure(tree, table)
+            policy = tuner if tuner is not None or tree is None else fixed_plans(runner, tree, table)
             if turn == 0:
-                engine = Engine(runner, tuner=tuner)
+                engine = Engine(runner, policy=policy)
                 serve_closed_loop(engine, prompts[:1], sampling, 1)  # warm-up (and the tuner's first rounds)
                 engine.close()
             for c in sorted(set(concurrency)):
-                engine = Engine(runner, max_active=c, tuner=tuner)
+                engine = Engine(runner, max_active=c, policy=policy)
                 requests, wall = serve_closed_loop(engine, prompts, sampling, c)
                 engine.close()
                 row = batching_row(requests, wall, c, reference)
@@ -171,11 +170,11 @@ def run_slot_cost_bench(make_runner, capacities: list[int], prompt: list[int], r
             runner.admit(1, Sampling())
             runner.prefill(1, ids, last=True)
             t1 = time.perf_counter()
-            runner.release(0, 2)
+            runner.release(0)
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             t2 = time.perf_counter()
-            runner.release(0, 1)
+            runner.release(0)
             if i:
                 prefill.append(t1 - t0)
                 release.append(t2 - t1)

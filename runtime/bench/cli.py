@@ -242,7 +242,7 @@ def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, p
                    max_seq_len, device, concurrency, requests, tree_size_by_batch, cuda_graphs, as_json, draft_vocab=None,
                    repeat=1):
     from ..backends.slots import parse_tree_size_by_batch
-    from ..factory import DEFAULT_CAPACITY, session_from_artifacts, session_from_checkpoints
+    from ..factory import DEFAULT_CAPACITY, build_tuner, session_from_artifacts, session_from_checkpoints
     from .batching import format_batching_report, run_batching_bench
     from .server import distinct_prompts
 
@@ -271,10 +271,7 @@ def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, p
             variants = []
             for m in [m for m in mode_list if m != "ar"] + ["ar"]:
                 if m == "auto":
-                    from ..tuner.online import TreeTuner
-
-                    tuner = TreeTuner.for_runner(sess.runner, {}, sources=sess.sources, dtype=sess.dtype, log=log)
-                    variants.append(("auto", sess.tree, None, tuner))
+                    variants.append(("auto", sess.tree, None, build_tuner(sess, log=log)))
                 elif m in ("ar", "chain"):
                     variants.append((m, TreeConfig(mode=m), None, None))
                 else:
@@ -393,6 +390,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
     tuner.replay; written at the end)."""
     from transformers.utils import logging as hf_logging
 
+    from ..factory import build_tuner
     from ..loop import generate
 
     hf_logging.set_verbosity_error()
@@ -423,9 +421,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
         dtype = sess.dtype if backend == backends[0] else dtype  # the reference backend's
         tuner = None
         if "auto" in mode_list:
-            from ..tuner.online import TreeTuner
-
-            tuner = TreeTuner.for_runner(runner, {}, sources=sess.sources, dtype=sess.dtype, log=log)
+            tuner = build_tuner(sess, log=log)
         recording = None
         if record is not None and tuner is not None and backend == backends[0]:
             from ..tuner.replay import Recording

@@ -30,6 +30,7 @@ import torch
 
 from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.errors import ConfigError
+from ..plan import RoundPlan
 
 SPEC_MODES = ("chain", "marginal", "treeflash")
 
@@ -52,7 +53,7 @@ def _configs(modes, tree_sizes, top_m, top_k, block) -> list[TreeConfig]:
 
 
 def _time_rounds(runner, count: int) -> float:
-    """Seconds per call of runner.round(), which includes its one read-back."""
+    """Seconds per call of runner.round() (one step of begin's tree), which includes its one read-back."""
     _sync(runner.device)
     t0 = time.perf_counter()
     for _ in range(count):
@@ -75,22 +76,20 @@ def _host_syncs(runner) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def _stage_times(runner, count: int, log) -> tuple[dict[str, float], str]:
+def _stage_times(runner, tree: TreeConfig, count: int, log) -> tuple[dict[str, float], str]:
     """(milliseconds per stage, how): inside the captured round where graphs are on (CUDA events
     between the stages), else, or should that fail, eagerly, synchronised around each stage."""
+    plan = RoundPlan(tree=tree)
     if runner.use_graphs:
         try:
-            return runner.graph_stage_times(count), "in the CUDA graph"
+            return runner.stage_times(plan, count), "in the CUDA graph"
         except RuntimeError as exc:  # keep the row: the eager breakdown still says where time goes
             log(f"  stage times in the graph failed ({str(exc).splitlines()[0]}); timing them eagerly")
     graphs, runner.use_graphs = runner.use_graphs, False
-    runner.timer = {}
     try:
-        for _ in range(count):
-            runner.round()
-        return {k: 1e3 * v / count for k, v in runner.timer.items()}, "eager, synchronised"
+        return runner.stage_times(plan, count), "eager, synchronised"
     finally:
-        runner.timer, runner.use_graphs = None, graphs
+        runner.use_graphs = graphs
 
 
 def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, stages: bool,
@@ -114,7 +113,7 @@ def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, st
            "prompt_tokens": int(prompt.shape[0]), "ms_per_round": 1e3 * _time_rounds(runner, rounds),
            "prefill_ms": 1e3 * prefill_s, "host_syncs_per_round": _host_syncs(runner)}
     if stages:
-        row["stages_ms"], row["stages_how"] = _stage_times(runner, 5, log)
+        row["stages_ms"], row["stages_how"] = _stage_times(runner, tree, 5, log)
     return row, max(first_s - prefill_s, 0.0)
 
 
@@ -126,7 +125,7 @@ def run_random_bench(preset: str, *, modes, tree_sizes, prompt_lengths, rounds: 
     from treeflash_export.presets import random_pair, weight_bytes
     from treeflash_kernels.bench import measure_bandwidth
 
-    from ..backends.torch_backend import TorchRunner
+    from ..backends.pytorch import TorchRunner
 
     log = log or (lambda msg: None)
     dev = torch.device(pick_device(device))
@@ -221,7 +220,7 @@ def _time_batches(verifier, drafter, configs, batch_sizes, prompt, rounds, warmu
                   fast_kernels, log) -> list[dict]:
     """Round time of the request-slot runner (in-flight batching) at each batch size and tree setting:
     b slots all running the same prompt, rounds timed after warm-up; against its own batch of one."""
-    from ..backends.torch_backend import TorchRunner
+    from ..backends.pytorch import TorchRunner
 
     out = []
     for tree in configs:
@@ -232,12 +231,13 @@ def _time_batches(verifier, drafter, configs, batch_sizes, prompt, rounds, warmu
             for slot in range(b):
                 runner.admit(slot, SamplingConfig())
                 runner.prefill(slot, prompt, last=True)
+            plan = RoundPlan(tree=runner.deployment[b])
             for _ in range(warmup + 1):  # the first also captures the bucket's round
-                runner.step(b)
+                runner.step(plan)
             _sync(runner.device)
             t0 = time.perf_counter()
             for _ in range(rounds):
-                runner.step(b)
+                runner.step(plan)
             _sync(runner.device)
             ms = 1e3 * (time.perf_counter() - t0) / rounds
             base = base or ms

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from treeflash_export.config import SamplingConfig
 from treeflash_export.errors import ConfigError
 
-from .engine import Engine
+from ..engine import Engine
+from ..plan import largest_budget
 from .metrics import ServingMetrics
 from .openai_protocol import FINISH, APIError, usage
-from .scheduler import CANCELLED, FAILED, WAITING, Request
+from ..scheduler import CANCELLED, FAILED, WAITING, Request
 from .text import StopText
 
 
@@ -78,7 +79,7 @@ class AsyncEngine:
     def __init__(self, session, metrics: ServingMetrics, max_queue: int):
         """session: a Session whose runner has request slots (session_from_checkpoints(..., max_batch=B))."""
         self.session, self.metrics, self.max_queue = session, metrics, max_queue
-        self.engine = Engine(session.runner, tuner=session.tuner)
+        self.engine = Engine(session.runner, policy=session.tuner)
         self.in_flight: set[Generation] = set()
 
     # ------------------------------------------------------------------ life
@@ -123,8 +124,8 @@ class AsyncEngine:
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0..{runner.vocab_size - 1})",
                            param="prompt")
-        n, capacity, tree = len(prompt_ids), runner.capacity, runner.max_tree_size
-        most = capacity - n + 1 - tree  # the budget a slot leaves (loop.required_capacity, solved for it)
+        n, capacity, tree = len(prompt_ids), runner.capacity, self.engine.max_tree_size
+        most = largest_budget(n, tree, capacity)
         if most < 1:
             raise APIError(400, f"the prompt is {n} tokens but a request slot holds {capacity} with a tree of "
                                 f"{tree}: at most {capacity - tree} prompt tokens; shorten it, or serve with a larger "
@@ -153,8 +154,7 @@ class AsyncEngine:
         completion = len(gen.text.tokens)
         lengths = request.accept_lengths
         rounds, gained = len(lengths), sum(lengths)
-        drafted = max(self.session.runner.max_tree_size - 1, 0)  # one tree size per server (no size by batch)
-        spec = {"rounds": rounds, "drafted_nodes": rounds * drafted, "accepted_tokens": gained - rounds,
+        spec = {"rounds": rounds, "drafted_nodes": sum(request.drafted), "accepted_tokens": gained - rounds,
                 "mean_tokens_per_round": gained / rounds if rounds else 0.0}
         if request.state == FAILED:
             reason = "error"

@@ -20,7 +20,8 @@ from treeflash_export.errors import ConfigError, TreeFlashError
 from treeflash_export.export.triton_repo import NUMPY_DTYPES, SERVING_INPUTS, SERVING_OUTPUTS
 
 from ..factory import Session, session_from_artifacts
-from ..loop import generate, required_capacity
+from ..loop import generate
+from ..plan import largest_budget, required_capacity
 from .text import IncrementalText, encode_prompt
 
 
@@ -29,7 +30,9 @@ class RequestError(TreeFlashError):
 
 
 @dataclass(frozen=True)
-class Request:
+class Inputs:
+    """A Triton request's inputs, parsed and checked (the engine's request is scheduler.Request)."""
+
     prompt: str
     max_tokens: int
     stream: bool = False
@@ -69,8 +72,8 @@ def _values(name: str, arr, dtype: str) -> list:
     return arr.reshape(-1).tolist()
 
 
-def parse_request(inputs: dict[str, np.ndarray]) -> Request:
-    """Tensors by name -> Request; names, dtypes and counts are checked against SERVING_INPUTS."""
+def parse_request(inputs: dict[str, np.ndarray]) -> Inputs:
+    """Tensors by name -> Inputs; names, dtypes and counts are checked against SERVING_INPUTS."""
     specs = {s.name: s for s in SERVING_INPUTS}
     unknown = sorted(set(inputs) - set(specs))
     if unknown:
@@ -96,7 +99,7 @@ def parse_request(inputs: dict[str, np.ndarray]) -> Request:
         raise RequestError(f"end_id must be a token id, or -1 for none; got {got['end_id']}")
     if any(not w for w in got.get("stop_words", ())):
         raise RequestError("stop_words must not contain an empty string")
-    return Request(got["text_input"], got["max_tokens"], bool(got.get("stream", False)),
+    return Inputs(got["text_input"], got["max_tokens"], bool(got.get("stream", False)),
                    float(got.get("temperature", 0.0)), float(got.get("top_p", 1.0)),
                    int(got.get("random_seed", 0)), got.get("end_id"), tuple(got.get("stop_words", ())))
 
@@ -116,7 +119,7 @@ class _Stream:
     """One request's replies: text pieces and tokens as rounds arrive (streamed), stop words, and
     the final reply with the statistics."""
 
-    def __init__(self, req: Request, tokenizer, send: Callable[[Reply], None]):
+    def __init__(self, req: Inputs, tokenizer, send: Callable[[Reply], None]):
         self.req, self.send = req, send
         self.text, self.progress = IncrementalText(tokenizer, req.stop_words), _Progress()
 
@@ -169,9 +172,9 @@ class Service:
         if need > S:
             raise RequestError(f"max_tokens {max_tokens} with a prompt of {prompt_len} tokens needs {need} cache "
                                f"slots but this model's cache holds {S}: ask for at most "
-                               f"{S - prompt_len + 1 - N} tokens")
+                               f"{largest_budget(prompt_len, N, S)} tokens")
 
-    def prepare(self, inputs: dict[str, np.ndarray]) -> tuple[Request, list[int], SamplingConfig]:
+    def prepare(self, inputs: dict[str, np.ndarray]) -> tuple[Inputs, list[int], SamplingConfig]:
         """A request's tensors -> (the request, its prompt ids, its sampling), or a RequestError."""
         req = parse_request(inputs)
         sess = self.session
@@ -199,16 +202,16 @@ class Service:
 
 
 class BatchedService(Service):
-    """A session whose runner has request slots (backends.torch_backend.TorchRunner): requests are handed to
+    """A session whose runner has request slots (backends.pytorch.TorchRunner): requests are handed to
     the in-flight batching engine, which serves them in a background thread; each streams through
     its own ``send`` (the Triton model's response sender)."""
 
     def __post_init__(self):
         super().__post_init__()
-        from .engine import Engine
+        from ..engine import Engine
 
-        self.tree_size = self.session.runner.max_tree_size
-        self.engine = Engine(self.session.runner, tuner=self.session.tuner)
+        self.engine = Engine(self.session.runner, policy=self.session.tuner)
+        self.tree_size = self.engine.max_tree_size
 
     @classmethod
     def from_artifact(cls, folder, backend: str = "torch", device: str = "auto", verify_checksums: bool = True, *,
@@ -230,7 +233,7 @@ class BatchedService(Service):
                on_error: Callable[[str], None], cancelled: Callable[[], bool] | None = None):
         """Queues one request and returns at once (a bad request raises RequestError here). Its replies
         go to ``send``; if the engine fails it, ``on_error`` gets the message instead of a final reply."""
-        from .engine import FAILED, Request as EngineRequest
+        from ..engine import FAILED, Request as EngineRequest
 
         req, ids, sampling = self.prepare(inputs)
         stream = _Stream(req, self.session.tokenizer, send)

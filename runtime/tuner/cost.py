@@ -87,7 +87,7 @@ class BucketCosts:
     drafter's whole block, 'chain' -> ms for the chain's argmax and 'marginal' -> ms for the marginal
     tree's tables. block: the drafter's block size
     (0: unknown); a tree of N < block nodes expands only its first N positions
-    (torch_backend.expansion_depth), so its expansion is predicted without the rows it skips, at
+    (backends.pytorch.stages.expansion_depth), so its expansion is predicted without the rows it skips, at
     `row_ms` each.
     """
 

@@ -2,18 +2,19 @@
 (or read from the disk cache), the candidates the user's explicit values leave, and, round by round,
 the tree to run next and what the last round showed.
 
-The runner is duck-typed (``probing``, ``time_part``, ``observation``, ``set_tree``, plus the
-Runner attributes); nothing here imports a backend or holds a tensor of the round.
+The tuner is the engine's policy: it hands out RoundPlans and learns from RoundReports
+(treeflash_runtime.plan); it never sets or reads anything on the runner. Only the cost probe, an
+adapter that ``for_runner`` closes over, times the runner's parts (``runner.probing``) when the cost
+model is first needed. Nothing here imports a backend or holds a tensor of the round.
 
     tuner = TreeTuner.for_runner(runner, fixed, sources=(verifier_dir, drafter_dir), dtype="float32")
-    tree = tuner.next_tree()            # before each round (and for begin)
-    tuner.after_round(runner)           # after it
+    plan = tuner.plan(bucket, requests)     # before each round: a RoundPlan
+    tuner.learn(report, running)            # after it: the runner's RoundReport
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 from treeflash_export.config import TreeConfig
 from treeflash_export.errors import ConfigError
 
+from ..plan import NodeReport, RoundPlan, RoundReport
 from .acceptance import AcceptanceModel, Observation, RequestStream
 from .auto import UNPREDICTED, AutoTuner
 from .cache import AcceptanceStore, CostCache, CostKey, pair_fingerprint
@@ -115,8 +117,9 @@ def largest_tree(runner) -> int:
     """The largest tree the tuner may pick: MAX_TREE, or less where the runner's deployment tree
     (request slots) sized its caches for less. Not the tree of a one-sequence runner's last
     generation: after a plain one it was 1 node, and the grid measured then held only 1-node trees."""
-    size = getattr(runner, "deployment_tree_size", None)
-    return MAX_TREE if size is None else min(MAX_TREE, size)
+    if not runner.deployment:
+        return MAX_TREE
+    return min(MAX_TREE, max(t.tree_size for t in runner.deployment.values()))
 
 
 def measure_runner(runner, buckets: list[int], log=None) -> CostModel:
@@ -146,7 +149,7 @@ class WaitingProbe(NamedTuple):
     """A score probe waiting for the tokens that label it in hindsight (TreeTuner._label_probes)."""
 
     setting: Setting  # the probed tree
-    raw: dict  # the runner's report of its nodes (probe_observation)
+    raw: NodeReport  # the runner's report of its nodes (RoundReport.probe)
     got: list  # the tokens committed from the probe's root on, so far
     predicted: float | None  # the unscaled tokens predicted for the tree (teaches the realised factor)
     request: object  # the engine's key of the request it drafted for (None: one sequence)
@@ -173,7 +176,12 @@ class TreeTuner:
         self.used: Counter = Counter()  # rounds per Setting
         self.tokens: Counter = Counter()  # tokens gained per Setting
         self._configs: dict[Setting, TreeConfig] = {}
-        self._runner = None  # the runner served (see serve), whose node reports are thinned eagerly
+        # While an engine serves (start .. close): whether plans report nodes (eagerly thinned, see
+        # OBSERVE_ALL), keep the drafter's context in plain steps, and may capture a new graph; _single:
+        # the engine serves one sequence (new_generation); _bucket: the bucket of the round planned.
+        self._serving = self._single = False
+        self._report = self._keep = self._may_capture = True
+        self._bucket = 1
         # One sequence's own acceptance counts, blended with the deployment's (new_generation; until
         # release): a request unlike the traffic so far (code after chat) corrects the calibration
         # within its first rounds instead of after hundreds.
@@ -261,20 +269,12 @@ class TreeTuner:
             except (OSError, ValueError):  # at exit the log's stream may be closed already
                 pass
 
-    @contextlib.contextmanager
-    def driving(self, runner):
-        """While a tuned generation runs: its rounds report their nodes, and plain decoding rounds keep
-        the drafter's context current (work a fixed setting on the same runner never pays)."""
-        self.serve(runner)
-        try:
-            yield
-        finally:
-            self.release(runner)
-            self.save()
-
     def new_generation(self) -> None:
-        """The report counts one generation from here (what was learnt stays), and the generation's
-        rounds calibrate its own stream too."""
+        """One sequence (treeflash_runtime.loop.generate: an engine with one request) starts: the report
+        counts one generation from here (what was learnt stays), and the generation's rounds calibrate
+        its own stream too. Its plain steps always keep the drafter's context (its score probes draft
+        from it)."""
+        self._single = True
         self.used.clear()
         self.tokens.clear()
         self.stream = RequestStream()
@@ -284,6 +284,11 @@ class TreeTuner:
         self.auto.new_request()
 
     def admitted(self, key, alone: bool) -> None:
+        if self._single:
+            return  # one sequence: new_generation started it
+        self._admitted(key, alone)
+
+    def _admitted(self, key, alone: bool) -> None:
         """The engine admitted a request (key: any hashable id of it): its rounds calibrate a stream of
         its own, which decides while it runs alone, and its first REQUEST_OBSERVE tree rounds alone
         report their nodes. A request admitted while no other runs is a new request as one sequence's
@@ -296,23 +301,19 @@ class TreeTuner:
             self.auto.new_request()
             self._restart_probes()
         elif self._hold[1]:
-            self._joined = True  # marked by its first held round (see next_tree)
+            self._joined = True  # marked by its first held round (see _choose)
 
     def retired(self, key) -> None:
         """The engine's request ``key`` left its slot (with the score probes that waited for its tokens)."""
         self._requests.pop(key, None)
         self._waiting = [w for w in self._waiting if w.request != key]
 
-    def serve(self, runner) -> None:
-        """Before a generation or an engine admits anything: the cost model is measured now (the probe
-        takes slots over, so never while requests hold them), then the runner's rounds report their
-        nodes and plain decoding rounds keep the drafter's context (but see _context), until `release`."""
+    def start(self) -> None:
+        """Before an engine admits anything: the cost model is measured now (the probe takes slots over,
+        so never while requests hold them); the runs' counters start again."""
         self.auto.cost.buckets  # noqa: B018 (measures or reads the cache now)
-        runner.observing = runner.keep_context = True
-        # With graphs, an exploration round runs eagerly (see next_tree); the generation's first tree
-        # was chosen before this.
-        runner.capture_now = self._worth_capturing()
-        self._runner = runner
+        self._serving = True
+        self._report = self._keep = self._may_capture = True
         self._rounds = 0
         self._restart_probes()
         self._hold, self._joined = (None, 0), False
@@ -323,21 +324,29 @@ class TreeTuner:
         self._probe_next = {"plain": (2, 2), "family": (2, 2)}
         self._plain_probes = 0
 
-    def release(self, runner) -> None:
-        """The runner's extra work for the tuner off again."""
-        runner.observing = runner.keep_context = False
-        runner.probe_tree = None
-        runner.capture_now = True
-        self._runner = None
+    def close(self) -> None:
+        """The engine stops: what was learnt is kept (saved), the runs' state is dropped."""
+        self._serving = self._single = False
         self.stream = None
         self._requests = {}
         self._probe = None
         self._waiting = []
         self._hold, self._joined = (None, 0), False
+        self.save()
 
-    def next_tree(self, bucket: int = 1, requests: list | None = None) -> TreeConfig:
-        """The tree of the next round at this bucket; requests: the engine's running requests' keys
-        (see admitted; None: one sequence)."""
+    def plan(self, bucket: int = 1, requests: list | None = None) -> RoundPlan:
+        """The next round's plan at this bucket; requests: the engine's running requests' keys (see
+        admitted; ignored for one sequence)."""
+        self._bucket = bucket
+        tree = self._choose(bucket, None if self._single else requests)
+        if not self._serving:
+            return RoundPlan(tree=tree)
+        probe = None if self._probe is None else self._config(self._probe)
+        return RoundPlan(tree=tree, report_nodes=self._report or probe is not None, probe=probe,
+                         keep_context=self._keep, may_capture=self._may_capture)
+
+    def _choose(self, bucket: int, requests: list | None) -> TreeConfig:
+        """The tree of the next round (None: one sequence), setting what the plan reports and keeps."""
         if self._note and self.log:  # said at first use, with the cost model's lines
             self.log(self._note)
         self._note = None
@@ -353,8 +362,7 @@ class TreeTuner:
             self.without_context += 1
             self.used[PLAIN] += 1
             self._predicted = self._probe = None
-            if self._runner is not None:
-                self._runner.capture_now = True
+            self._may_capture = True
             return self._config(PLAIN)
         alone = self._requests.get(requests[0]) if requests is not None and len(requests) == 1 else None
         if requests is None:
@@ -362,21 +370,20 @@ class TreeTuner:
         else:  # the engine's: a request running alone decides on its own counts
             stream = alone[0] if alone is not None else None
         s = self.auto.setting(bucket, stream)
-        if requests is not None and self._runner is not None:
+        if requests is not None and self._serving:
             s = self._context(s, bucket, requests)
         self.current = s
         self._probe = None
         # A round of the chosen tree, or of a tree run because it was predicted best of its kind (a
         # confirming round, a refresh): what it gains against its unscaled prediction teaches the
-        # realised factor (after_round). Seeds and growth run on the prior or an optimistic guess.
+        # realised factor (_after_round). Seeds and growth run on the prior or an optimistic guess.
         chosen = s.mode != "ar" and self.auto.explore_reason not in UNPREDICTED
         self._predicted = (self.auto.acceptance.expected(s, stream, self.auto.block_size, raw=True)
                            if chosen else None)
         if self.recorder is not None and s.mode != "ar":
             self.recorder.round(s, self.auto.explore_reason, stream)
-        if self._runner is not None and self.captures:
-            self._runner.capture_now = self._worth_capturing()
-        if self._runner is not None and not self.captures:
+        self._may_capture = self._worth_capturing()
+        if self._serving and not self.captures:
             self._rounds += 1
             if alone is not None:
                 young = s.mode != "ar" and alone[1] < REQUEST_OBSERVE
@@ -384,16 +391,13 @@ class TreeTuner:
             else:
                 young = self.stream is not None and s.mode != "ar" and self._request_trees < REQUEST_OBSERVE
                 self._request_trees += young
-            self._runner.observing = (self.auto.exploring or self.auto.acceptance.rounds < OBSERVE_ALL
-                                      or self._rounds % OBSERVE_EVERY == 0 or young)
+            self._report = (self.auto.exploring or self.auto.acceptance.rounds < OBSERVE_ALL
+                            or self._rounds % OBSERVE_EVERY == 0 or young)
             # Score probes: one sequence, or the engine's request while it runs alone (as one sequence
             # would; its plain steps keep the drafter's context unless plain decoding wins by far).
-            if not self.auto.exploring and stream is not None and self._runner.keep_context:
+            if not self.auto.exploring and stream is not None and self._keep:
                 self._probe = self._probe_due(s, bucket, stream)
                 self._probe_request = None if requests is None else requests[0]
-                if self._probe is not None:
-                    self._runner.observing = True
-            self._runner.probe_tree = None if self._probe is None else self._config(self._probe)
         self.used[s] += 1
         return self._config(s)
 
@@ -413,11 +417,11 @@ class TreeTuner:
         decodes plainly (exact either way) until it leaves. Nothing is learnt meanwhile, since the
         choice while plain decoding wins by far runs no tree round (refreshes below `refresh_floor`
         are skipped, confirming rounds need a tree predicted faster); so the next HOLD - 1 rounds of
-        the bucket run plain decoding without asking (see next_tree). One sequence keeps its
+        the bucket run plain decoding without asking (see _choose). One sequence keeps its
         context: its score probes draft from it."""
         entries = [e for e in (self._requests.get(k) for k in requests) if e is not None]
         skip = s == PLAIN and self.auto.plain_by_far(bucket)
-        self._runner.keep_context = not skip
+        self._keep = not skip
         if skip:
             self.without_context += 1
             for e in entries:
@@ -465,34 +469,41 @@ class TreeTuner:
         tree = self._configs.get(s)
         if tree is None:
             tree = self._configs[s] = TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k,
-                                                 drafter_temperature=self.drafter_temperature)
+                                                 drafter_temperature=self.drafter_temperature).resolved(
+                                                     self.auto.block_size)
         return tree
 
-    def round_took(self, seconds: float, bucket: int = 1) -> None:
-        """The wall-clock time of the round that just ran (corrects the cost model's predictions). With
-        CUDA graphs a round that captured its graph is left out (the runner says so: a setting's first
-        round, or a plain step's second form), and so is an exploration round run eagerly (see
-        next_tree); a round that also ran a score probe is left out too."""
+    def learn(self, report: RoundReport, running: list | None = None) -> None:
+        """The round that just ran: its time corrects the cost model's predictions, and each running
+        request's tokens and reported nodes feed the acceptance model. running: [(slot, key)] of the
+        requests that ran (None: one sequence in slot 0)."""
+        self._round_took(report)
+        for slot, key in running or [(0, None)]:
+            tokens = report.gained[slot]
+            self._after_round(report, slot, len(tokens), tokens, None if self._single else key)
+
+    def _round_took(self, report: RoundReport) -> None:
+        """With CUDA graphs a round that captured its graph is left out (a setting's first round, or a
+        plain step's second form), and so is an exploration round run eagerly (see _choose); a round
+        that also ran a score probe is left out too."""
         if self._probe is not None or self._held_round:  # the probe's work is not the setting's; held: no need
             return
-        if self._runner is not None and getattr(self._runner, "captured", False):
+        if report.captured:
             return  # not a replay's time
-        if self._runner is not None and getattr(self._runner, "ran_eagerly", False):
+        if report.eager:
             # An exploration round run eagerly on a graph runner: not the replay's time, but what
             # exploring costs here (refreshes budget their share of time with it).
-            self.auto.observe_outside_time(bucket, 1000.0 * seconds)
+            self.auto.observe_outside_time(self._bucket, 1000.0 * report.seconds)
             return
         if self.current is not None:
-            self.auto.observe_time(self.current, bucket, 1000.0 * seconds)
+            self.auto.observe_time(self.current, self._bucket, 1000.0 * report.seconds)
 
-    def after_round(self, runner, slot: int = 0, gained: int | None = None, tokens: list[int] | None = None,
-                    request=None) -> None:
-        """Feeds the round that just ran (the runner's report of its nodes) to the acceptance model;
-        gained: the tokens it gave (for the report of realised tokens per setting); tokens: those tokens
-        (they label earlier score probes in hindsight); request: the engine's key of the slot's request
-        (see admitted)."""
+    def _after_round(self, report: RoundReport, slot: int, gained: int, tokens: list[int], request) -> None:
+        """One request's part of the round: gained, the tokens it gave (for the report of realised
+        tokens per setting; they label earlier score probes in hindsight); request: the engine's key
+        of the slot's request (see admitted; None: one sequence)."""
         s = self.current
-        if s is not None and gained is not None:
+        if s is not None:
             self.tokens[s] += gained
             if self.recorder is not None and s.mode != "ar":
                 self.recorder.gained(gained)
@@ -502,21 +513,21 @@ class TreeTuner:
         stream = self.stream if own is None else own[0]
         family_probe = s is not None and s.mode != "ar" and self._probe is not None
         if family_probe:  # drafted from this round's root: its own tokens are the first labels
-            self._wait_for_labels(runner, slot, tokens, request, stream)
-        if tokens is not None and self._waiting:  # earlier score probes: these tokens may label them now
+            self._wait_for_labels(report, slot, tokens, request, stream)
+        if self._waiting:  # earlier score probes: these tokens may label them now
             self._label_probes(tokens, request)
         if s is not None and s.mode == "ar" and self._probe is not None:  # a plain step with a score probe
-            self._wait_for_labels(runner, slot, tokens, request, stream)
+            self._wait_for_labels(report, slot, tokens, request, stream)
         # A round with a family probe reported the probe's nodes instead of its own.
-        raw = None if s is None or s.mode == "ar" or family_probe else runner.observation(slot, self._config(s))
+        raw = None if s is None or s.mode == "ar" or family_probe or report.nodes is None else report.nodes[slot]
         self.auto.observe(None if raw is None else observation(s, raw), stream)
 
-    def _wait_for_labels(self, runner, slot: int, tokens: list[int] | None, request, stream) -> None:
+    def _wait_for_labels(self, report: RoundReport, slot: int, tokens: list[int], request, stream) -> None:
         """The probe of this round waits for the tokens that label it: the tokens of the request it
         drafted for (one sequence: request None), whose stream its labels calibrate."""
-        probe = runner.probe_observation(slot) if request == self._probe_request else None
-        if probe is not None and tokens is not None:
-            self._waiting.append(WaitingProbe(self._probe, probe, [], self._probe_predicted, request, stream))
+        if report.probe is not None and request == self._probe_request:
+            self._waiting.append(WaitingProbe(self._probe, report.probe[slot], [], self._probe_predicted, request,
+                                              stream))
 
     def _label_probes(self, tokens: list[int], request=None) -> None:
         """The tokens a round committed for a request extend the continuation of every probe waiting for
@@ -528,12 +539,12 @@ class TreeTuner:
                 still.append(w)
                 continue
             w.got.extend(tokens)
-            labels = hindsight_labels(w.raw["tokens"], w.raw["parents"], w.got)
+            labels = hindsight_labels(w.raw.tokens, w.raw.parents, w.got)
             if labels is None:
                 still.append(w)
                 continue
             s = w.setting
-            obs = observation(s, {**w.raw, "accepted": labels, "verified": len(labels)})
+            obs = observation(s, w.raw.labelled(labels))
             if w.predicted is not None:  # the probed tree's own nodes: its best N - 1 (the report holds more)
                 self.auto.acceptance.observe_gain(w.predicted, 1.0 + float(obs.accepted[: s.tree_size - 1].sum()))
             self.auto.acceptance.observe(obs, w.stream, deployment=False)
@@ -570,18 +581,17 @@ def hindsight_labels(tokens: list, parents: list, committed: list[int]) -> list[
     return [float(a) for a in ok[1:]]
 
 
-def observation(s: Setting, raw: dict) -> Observation:
+def observation(s: Setting, raw: NodeReport) -> Observation:
     """The runner's report of one round's nodes (tree order) -> an Observation in best-first order
     (score descending; padding nodes, score -inf, dropped). Of a report over a larger tree than the
     round verified (``verified`` nodes), only the verified best are labelled: the rest predict."""
-    scores = np.asarray(raw["scores"], dtype=float)
+    scores = np.asarray(raw.scores, dtype=float)
     keep = np.isfinite(scores)
     order = np.argsort(-scores[keep], kind="stable")
 
-    def pick(name, dtype):
-        return np.asarray(raw[name], dtype=dtype)[keep][order]
+    def pick(values, dtype):
+        return np.asarray(values, dtype=dtype)[keep][order]
 
-    verified = int(raw.get("verified", len(scores)))
-    return Observation(mode=s.mode, scores=scores[keep][order], accepted=pick("accepted", float)[:verified] > 0.5,
-                       top_m=s.top_m, top_k=s.top_k, m_rank=pick("m_rank", float).astype(int),
-                       k_rank=pick("k_rank", float).astype(int))
+    return Observation(mode=s.mode, scores=scores[keep][order], accepted=pick(raw.accepted, float)[: raw.verified] > 0.5,
+                       top_m=s.top_m, top_k=s.top_k, m_rank=pick(raw.m_rank, float).astype(int),
+                       k_rank=pick(raw.k_rank, float).astype(int))

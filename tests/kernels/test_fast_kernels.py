@@ -342,7 +342,7 @@ def test_build_tree_kernel_compiles_for_hopper():
 
 
 def test_fast_kernels_are_on_by_default_only_where_triton_compiles_them():
-    from treeflash_runtime.backends.torch_backend import fast_kernels_default
+    from treeflash_runtime.backends.pytorch import fast_kernels_default
 
     assert fast_kernels_default(torch.device("cuda"), False) == (lo.triton is not None)
     assert not fast_kernels_default(torch.device("cpu"), False)  # the references would only add dispatch
@@ -469,7 +469,7 @@ def test_fast_kernels_compile_into_the_project_cache_unless_told_otherwise(load,
     a TRITON_CACHE_DIR the user set is kept; with them off nothing is set."""
     import os
 
-    from treeflash_runtime.backends.torch_backend import TorchRunner
+    from treeflash_runtime.backends.pytorch import TorchRunner
 
     pair = load("qwen3")
     monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path / "tf"))
@@ -489,7 +489,7 @@ def test_a_shared_drafter_follows_the_runner_that_generates(load):
     setting, whichever runner was built last."""
     from treeflash_export.config import SamplingConfig, TreeConfig
     from treeflash_runtime import generate
-    from treeflash_runtime.backends.torch_backend import TorchRunner
+    from treeflash_runtime.backends.pytorch import TorchRunner
 
     pair = load("qwen3")
     fast = TorchRunner(pair.verifier, pair.drafter, capacity=64, fast_kernels=True)

@@ -14,7 +14,9 @@ from transformers import GenerationConfig
 from treeflash_export.checkpoints import load_pair
 from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_runtime import generate
-from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.backends.pytorch import TorchRunner
+from treeflash_runtime.backends.pytorch.graphs import round_key
+from treeflash_runtime.plan import RoundPlan
 from treeflash_runtime.sampling import GREEDY
 
 pytestmark = [
@@ -93,7 +95,8 @@ def test_cuda_graph_replay_never_synchronises_and_equals_eager(pair_dirs, mode):
         runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, cuda_graphs=graphs)
         outs.append(generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=48)).token_ids)
         if graphs:
-            graph = runner._graphs[runner._round_key(1, GREEDY)]
+            tree = TreeConfig(mode=mode, **SETTINGS).resolved(runner.block_size)
+            graph = runner.graphs[round_key(1, tree, GREEDY, False, None)]
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -133,7 +136,7 @@ def test_cuda_graph_stage_times_leave_the_generation_unchanged(pair_dirs):
         for i in range(8):
             if timed and i == 3:
                 past = int(runner.state.past_len)
-                times = runner.graph_stage_times(4)
+                times = runner.stage_times(RoundPlan(tree=tree), 4)
                 assert set(times) == {"draft", "expand", "tree", "verify", "accept"}, times
                 assert all(ms > 0 for ms in times.values()) and int(runner.state.past_len) == past
             tokens += runner.round()
@@ -149,7 +152,7 @@ def test_cuda_slots_fp32_each_request_equals_its_own_greedy(pair_dirs, tmp_path,
     the choices are captured mid-stream, and the output is the same."""
     from test_tuning import _sources, costs, serve_five, tuner_for
 
-    from treeflash_runtime.serving.engine import Engine
+    from treeflash_runtime.engine import Engine
     from treeflash_runtime.tuner.cost import CostModel
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -157,12 +160,12 @@ def test_cuda_slots_fp32_each_request_equals_its_own_greedy(pair_dirs, tmp_path,
     pair = load_pair(str(d / "verifier"), str(d / "drafter"), device="cuda", dtype=torch.float32)
     runner = TorchRunner(pair.verifier, pair.drafter, max_batch=3, capacity=128,
                          tree=TreeConfig(mode="treeflash", tree_size=16, top_m=4, top_k=8))
-    assert runner.use_graphs and ("round", 3, runner._bucket_tree(3), GREEDY, False, False) in runner._graphs
+    assert runner.use_graphs and ("round", 3, runner.deployment[3], GREEDY, False, None) in runner.graphs
     tuner = None
     if tuned:
         cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
         tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, cheap)
-    for r, ids, n in serve_five(Engine(runner, tuner=tuner), pair, [24, 10, 18, 32, 14]):
+    for r, ids, n in serve_five(Engine(runner, policy=tuner), pair, [24, 10, 18, 32, 14]):
         assert r.tokens == _greedy(pair.verifier, ids, n), r.tokens
     if tuned:
         used = tuner.report()["settings_used"]

@@ -18,7 +18,8 @@ from treeflash_export.errors import ConfigError
 from treeflash_export.models.common import attend
 from treeflash_export.tree import chain_tree
 from treeflash_kernels import tree_attention as ta
-from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.backends.pytorch import TorchRunner
+from treeflash_runtime.plan import RoundPlan
 from treeflash_runtime.sampling import sampling_kind
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -246,16 +247,17 @@ def test_round_reads_no_host_value(load, mode, temperature, fast_kernels):
     runner.use_graphs = True  # the captured form (eagerly on the CPU the drafter's context reads its counts)
     kind = sampling_kind(temperature, 0.9)
     mode_ = FakeTensorMode(allow_non_fake_inputs=True)
-    st = runner.state
-    runner.state = dataclasses.replace(st, **{f.name: mode_.from_tensor(getattr(st, f.name))
-                                              for f in dataclasses.fields(st) if getattr(st, f.name) is not None})
+    st = runner.slots.state
+    runner.slots.state = runner.state = dataclasses.replace(
+        st, **{f.name: mode_.from_tensor(getattr(st, f.name)) for f in dataclasses.fields(st)
+               if getattr(st, f.name) is not None})
     unknown_count = mode_.from_tensor(torch.tensor(5))  # a fake whose value the mode does not know
     with torch.inference_mode(), mode_:
         with pytest.raises(DataDependentOutputException):  # the check itself can fail
             int(runner.state.past_len + 1)
         with pytest.raises(DataDependentOutputException):
             int(unknown_count)
-        runner._round(1, tree, kind)
+        runner.stages.run(1, tree, kind)
         runner._prefill_pass(torch.zeros(1, 32, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                              unknown_count.reshape(1), torch.ones(1, dtype=torch.bool))  # int(count) would raise
 
@@ -283,7 +285,7 @@ def captured_form(runner) -> list:
         return EagerReplay(fn, args)
 
     runner.use_graphs = True
-    runner._capture = capture
+    runner.graphs.capture = capture
     return captured
 
 
@@ -297,7 +299,7 @@ def test_the_graph_form_run_eagerly_is_exact(load, mode, fast_kernels):
     from conftest import PROMPTS, hf_greedy
 
     from treeflash_runtime import generate
-    from treeflash_runtime.backends.torch_backend import PREFILL_CHUNK
+    from treeflash_runtime.plan import PREFILL_CHUNK
 
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=384, fast_kernels=fast_kernels)
@@ -309,7 +311,7 @@ def test_the_graph_form_run_eagerly_is_exact(load, mode, fast_kernels):
         res = generate(runner, ids, TreeConfig(mode=mode, tree_size=16, top_m=4, top_k=4),
                        SamplingConfig(max_new_tokens=24))
         assert res.token_ids == hf_greedy(pair.verifier, ids, 24), len(ids)
-    assert ("prefill", 1) in runner._graphs  # the captured path really ran
+    assert ("prefill", 1) in runner.graphs  # the captured path really ran
 
 
 def test_captured_plain_steps_keep_the_drafters_context_lazily(load):
@@ -336,15 +338,13 @@ def test_captured_plain_steps_keep_the_drafters_context_lazily(load):
     pair.drafter.model.forward_cached = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         out = [runner.begin(torch.tensor(ids), tree, SamplingConfig())]
-        runner.keep_context = True
         schedule = [plain] * 20 + [tree] * 3 + [plain] * (B + 3) + [tree] * 4 + [plain] * 3 + [tree] * 30
         plain_passes = 0
         for t in schedule:
             if len(out) >= 60:
                 break
-            runner.set_tree(t)
             before = len(calls)
-            out += runner.round()
+            out += runner.step(RoundPlan(tree=t.resolved(B), keep_context=True)).gained[0]
             if t.mode == "ar":
                 plain_passes += len(calls) - before
     finally:
@@ -352,8 +352,8 @@ def test_captured_plain_steps_keep_the_drafters_context_lazily(load):
     assert out[:60] == want
     plain_steps = 20 + B + 3 + 3
     assert plain_passes <= 3 + plain_steps // (B - 1), (plain_passes, plain_steps)  # not one a step
-    plain_keys = {k for k in runner._graphs if k[0] == "round" and k[2].mode == "ar"}
-    assert {k[6:] for k in plain_keys} == {(), ("flush",)} and {k[3:6] for k in plain_keys} == {(GREEDY, False, True)}
+    plain_keys = {k for k in runner.graphs if k[0] == "round" and k[2].mode == "ar"}
+    assert {k[5] for k in plain_keys} == {"append", "flush"} and {k[3:5] for k in plain_keys} == {(GREEDY, False)}
 
 
 @pytest.mark.skipif(ta.triton is None, reason="triton is not installed (pip install triton)")
@@ -413,7 +413,8 @@ class HostTensorSpy(TorchDispatchMode):
 
 def _device_tensors(runner) -> list[torch.Tensor]:
     found = [t for t in vars(runner.state).values() if isinstance(t, torch.Tensor)]
-    found += [t for t in vars(runner).values() if isinstance(t, torch.Tensor)]  # its own: the head's rows
+    for part in (runner, runner.head, runner.slots):  # their own: the head's rows, the slot indices
+        found += [t for t in vars(part).values() if isinstance(t, torch.Tensor)]
     for module in (runner.verifier, runner.drafter):
         for m in module.modules():  # parameters, buffers and plain tensor attributes (merged weights)
             found += [t for t in tree_leaves(vars(m)) if isinstance(t, torch.Tensor)]
@@ -443,7 +444,7 @@ def test_captured_functions_make_no_tensor_on_the_host(load, mode, temperature, 
     args = (torch.zeros(1, 32, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.tensor([5]),
             torch.tensor([True]))
     with torch.inference_mode(), HostTensorSpy(_device_tensors(runner) + list(args)) as spy:
-        runner._round(1, tree, sampling_kind(temperature, 0.9))
+        runner.stages.run(1, tree, sampling_kind(temperature, 0.9))
         runner._prefill_pass(*args)
     assert spy.host_made == []
 
@@ -458,9 +459,9 @@ def test_captured_plain_steps_with_context_make_no_tensor_on_the_host(load, flus
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=96)
     plain = TreeConfig(mode="ar")
     runner.begin(torch.tensor([5, 6, 7, 8]), plain, SamplingConfig())
-    runner.use_graphs, runner.keep_context = True, True
-    with torch.inference_mode(), HostTensorSpy(_device_tensors(runner) + [runner._slot_rows]) as spy:
-        runner._round(1, plain, GREEDY, flush=flush)
+    runner.use_graphs = True
+    with torch.inference_mode(), HostTensorSpy(_device_tensors(runner)) as spy:
+        runner.stages.run(1, plain.resolved(runner.block_size), GREEDY, keep_context=True, flush=flush)
     assert spy.host_made == []
 
 
@@ -590,7 +591,7 @@ def test_a_head_dim_the_kernel_cannot_compile_goes_to_the_reference():
 
 def test_random_bench_keeps_one_path_when_the_other_fails(monkeypatch):
     """Comparing both paths, a kernel failing on a new device must not lose the other path's rows."""
-    import treeflash_runtime.backends.torch_backend as tb
+    import treeflash_runtime.backends.pytorch.stages as tb
     from treeflash_runtime.bench.random_weights import format_random_report, run_random_bench
 
     def broken(*args, **kwargs):

@@ -11,7 +11,7 @@ import torch
 from conftest import PROMPTS, hf_greedy
 from oracle import SETTINGS, OracleRunner
 from treeflash_runtime import generate
-from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.backends.pytorch import TorchRunner
 
 from treeflash_export.checkpoints import load_pair
 from treeflash_export.config import SamplingConfig, TreeConfig
@@ -64,14 +64,14 @@ def test_greedy_output_is_the_verifiers_with_a_small_draft_vocabulary(load, mode
     pair = load("qwen3")
     V = pair.verifier.config.vocab_size
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=V // 4)
-    assert runner.draft_vocab_size == V // 4 and runner.draft_ids.tolist() == list(range(V // 4))
+    assert runner.draft_vocab_size == V // 4 and runner.head.ids.tolist() == list(range(V // 4))
     tree = TreeConfig(mode=mode, **SETTINGS)
     for i in range(2):
         ids = _ids(pair, i)
         res = generate(runner, ids, tree, SamplingConfig(max_new_tokens=32))
         assert res.token_ids == hf_greedy(pair.verifier, ids, 32), (mode, i)
     runner.begin(torch.tensor(_ids(pair, 0)), tree.resolved(runner.block_size), SamplingConfig())
-    tables = runner.tables(runner.state.root[:1], runner.draft()[0], tree.resolved(runner.block_size))
+    tables = runner.stages.tables(runner.state.root[:1], runner.stages.draft(1)[0], tree.resolved(runner.block_size))
     assert int(tables.tokens.max()) < V // 4  # every child token is in the draft vocabulary
 
 
@@ -94,15 +94,15 @@ def test_subset_tables_map_back_to_the_full_vocabularys_tokens(load):
     full = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=0, draft_head=torch.float32)
     tree = TreeConfig(mode="treeflash", tree_size=16, top_m=2, top_k=4).resolved(full.block_size)
     full.begin(torch.tensor(_ids(pair, 1)), tree, SamplingConfig())
-    z = full.draft()[0]
-    want = full.tables(full.state.root[:1], z, tree)
+    z = full.stages.draft(1)[0]
+    want = full.stages.tables(full.state.root[:1], z, tree)
     parents = full.verifier.lm_head(full.drafter.model.norm(z)).topk(tree.top_m, dim=-1).indices
     keep = torch.unique(torch.cat([want.tokens.flatten(), parents.flatten(), torch.arange(0, V, 7)]))
     sub = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=0, draft_head=torch.float32)
-    sub.draft_ids = keep
-    sub.draft_rows = sub.verifier.lm_head.weight.index_select(0, keep)
+    sub.head.ids = keep
+    sub.head.rows = sub.verifier.lm_head.weight.index_select(0, keep)
     sub.draft_vocab_size = len(keep)
-    got = sub.tables(full.state.root[:1], z, tree)
+    got = sub.stages.tables(full.state.root[:1], z, tree)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.next_row, want.next_row)
     # Log-probabilities are normalised over the draft vocabulary: never lower than over all tokens.
     assert bool((got.logprobs >= want.logprobs - 1e-5).all())
@@ -116,8 +116,8 @@ def test_a_drafter_folder_brings_its_draft_vocabulary(pair_dirs, tmp_path):
     pair = load_pair(str(src / "verifier"), str(drafter))
     assert pair.drafter.vocab_order == [11, 4, 30, 2]
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=128)
-    assert runner.draft_ids.tolist() == [2, 4, 11, 30]
-    assert TorchRunner(pair.verifier, pair.drafter, capacity=128, draft_vocab=0).draft_ids is None
+    assert runner.head.ids.tolist() == [2, 4, 11, 30]
+    assert TorchRunner(pair.verifier, pair.drafter, capacity=128, draft_vocab=0).head.ids is None
     # A top-K larger than the draft vocabulary is refused before any round.
     with pytest.raises(ConfigError, match="vocabulary 4"):
         generate(runner, _ids(pair, 0), TreeConfig(mode="marginal", tree_size=8, top_k=8),
@@ -134,17 +134,17 @@ def test_the_expansions_head_dtype_leaves_the_output_the_verifiers(load, mode, h
     model's fp32, with and without a draft vocabulary, one sequence and request slots: the trees
     change at most, greedy output stays transformers' own."""
     from test_slots import BUDGETS, engine_for, prompts_of
-    from treeflash_runtime.serving.engine import Request
+    from treeflash_runtime.engine import Request
 
     pair = load("qwen3")
     V = pair.verifier.config.vocab_size
     for vocab in (0, V // 2):
         runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, draft_vocab=vocab, draft_head=head)
         assert runner.draft_head == head
-        assert (runner.draft_rows is None) == (vocab == 0 and head == torch.float32)
-        if runner.draft_rows is not None:
-            assert runner.draft_rows.dtype == head
-            assert runner.draft_logits(torch.zeros(2, runner.draft_rows.shape[1])).dtype == torch.float32
+        assert (runner.head.rows is None) == (vocab == 0 and head == torch.float32)
+        if runner.head.rows is not None:
+            assert runner.head.rows.dtype == head
+            assert runner.head.logits(torch.zeros(2, runner.head.rows.shape[1])).dtype == torch.float32
         for i in range(2):
             ids = _ids(pair, i)
             res = generate(runner, ids, TreeConfig(mode=mode, **SETTINGS), SamplingConfig(max_new_tokens=24))
@@ -158,7 +158,7 @@ def test_the_expansions_head_dtype_leaves_the_output_the_verifiers(load, mode, h
 
 
 def test_the_head_is_bf16_by_default_only_on_a_cpu_with_bf16_instructions_under_an_fp32_model(monkeypatch):
-    from treeflash_runtime.backends.torch_backend import draft_head_default
+    from treeflash_runtime.backends.pytorch import draft_head_default
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for avx512_bf16, amx in ((True, False), (False, True), (False, False)):

@@ -16,7 +16,7 @@ from oracle import SETTINGS, OracleRunner
 from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_export.tree import build_tree
 from treeflash_runtime import generate
-from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.backends.pytorch import TorchRunner
 
 NEW_TOKENS = 64
 def _ids(pair, prompt):
@@ -87,7 +87,7 @@ def test_oracle_tree_has_deep_branches_off_the_true_path(load):
     runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + [1] * 64, seed=0)
     cfg = TreeConfig(**SETTINGS)
     runner.begin(torch.tensor(ids), cfg, SamplingConfig())
-    tables = runner.tables(runner.state.root[:1], runner.draft()[0], cfg)
+    tables = runner.stages.tables(runner.state.root[:1], runner.stages.draft(1)[0], cfg)
     tree = build_tree(tables, runner.state.root, cfg.tree_size)
     depths = tree.depths[tree.valid]
     assert int(depths.max()) >= 4

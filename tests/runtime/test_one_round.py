@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from treeflash_export.config import SamplingConfig, TreeConfig
 from treeflash_runtime import generate
-from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.backends.pytorch import TorchRunner
 from treeflash_runtime.sampling import GREEDY, NUCLEUS, ROW_CHUNK_ELEMENTS, SAMPLE, choose_tokens_keyed
 
 TREE = dict(tree_size=12, top_m=3, top_k=3)
@@ -110,7 +110,7 @@ PROMPT_IDS = [3, 17, 5, 9, 22, 4]
 def test_a_seed_gives_the_same_tokens_on_every_path(load):
     """Plain decoding, every tree mode (one sequence), and the batching engine with other requests in
     the same rounds: the same seed, the same tokens (keyed sampling; one round code)."""
-    from treeflash_runtime.serving.engine import Engine, Request
+    from treeflash_runtime.engine import Engine, Request
 
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=96)
@@ -136,8 +136,8 @@ def test_graph_keys_hold_the_sampling_kind_not_its_values(load):
     captured_form(runner)
     for t, p in ((0.7, 0.9), (1.3, 0.5), (0.9, 0.95), (1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (0.0, 0.3)):
         _single(pair, "treeflash", SamplingConfig(temperature=t, top_p=p, max_new_tokens=6, seed=1), runner)
-    kinds = sorted(key[3] for key in runner._graphs if key[0] == "round")
-    assert kinds == [GREEDY, SAMPLE, NUCLEUS] and len(runner._graphs) == 4  # + one prefill graph
+    kinds = sorted(key[3] for key in runner.graphs if key[0] == "round")
+    assert kinds == [GREEDY, SAMPLE, NUCLEUS] and len(runner.graphs) == 4  # + one prefill graph
 
 
 def _largest_made(fn) -> tuple[int, int]:
@@ -162,9 +162,9 @@ def test_prefill_and_release_cost_does_not_grow_with_the_cache(load, fast_kernel
         prompt = torch.tensor(PROMPT_IDS)
         prefill = _largest_made(lambda: runner.prefill_many([(1, prompt, True), (2, prompt[:4], True)]))
         runner.state.kv[:, :, :, 2 * runner.slot_size + 20 :] = float("nan")  # slot 2's unused part
-        release = _largest_made(lambda: runner.release(0, 3))
+        release = _largest_made(lambda: runner.release(0))
         largest[capacity] = (prefill, release)
         kv = runner.state.kv
         assert not bool(kv[:, :, :, 4 : runner.slot_size].isnan().any())  # only the committed part moved
-        assert bool(kv[:, :, :, :4].isfinite().all()) and runner.host_len[:2] == [4, 6]
+        assert bool(kv[:, :, :, :4].isfinite().all()) and runner.slots.host_len[:2] == [4, 6]
     assert largest[128] == largest[2048], largest

@@ -15,7 +15,7 @@ from treeflash_export.models import TreeFlashDrafter
 from treeflash_export.tiny import drafter_config, random_drafter_state, verifier_config
 from treeflash_export.tree import Tree, ancestor_mask
 from treeflash_runtime import generate
-from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.backends.pytorch import TorchRunner
 from treeflash_runtime.sampling import accept, verifier_probs
 
 ALPHA = 1e-3  # significance level of the goodness-of-fit tests
@@ -283,8 +283,8 @@ def test_seed_reproduces_output(small_vocab_pair, small_vocab_artifacts, backend
 def test_batched_slots_sampling_matches_verifier_distribution(small_vocab_pair, mode, top_p):
     """In-flight batching with keyed sampling: SAMPLES requests (seeds 0..SAMPLES-1) served eight at a
     time through the engine; the joint distribution of their first NEW tokens is the verifier's own."""
-    from treeflash_runtime.backends.torch_backend import TorchRunner
-    from treeflash_runtime.serving.engine import Engine, Request
+    from treeflash_runtime.backends.pytorch import TorchRunner
+    from treeflash_runtime.engine import Engine, Request
 
     verifier, drafter = small_vocab_pair
     runner = TorchRunner(verifier, drafter, max_batch=8, capacity=32, tree=TreeConfig(mode=mode, **TREE))

@@ -101,8 +101,8 @@ BUDGETS = [12, 5, 9, 16, 7]  # requests finish at different rounds: slots free u
 
 
 def engine_for(pair, mode, max_batch=3, capacity=96, tree_size=12, **kw):
-    from treeflash_runtime.backends.torch_backend import TorchRunner
-    from treeflash_runtime.serving.engine import Engine
+    from treeflash_runtime.backends.pytorch import TorchRunner
+    from treeflash_runtime.engine import Engine
 
     tree = TreeConfig(mode=mode, tree_size=tree_size, top_m=3, top_k=3)
     runner = TorchRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree, **kw)
@@ -125,7 +125,7 @@ def test_every_request_of_a_batch_equals_its_own_greedy_decoding(load, mode):
     between rounds: each one's tokens equal transformers' greedy output for it alone."""
     from conftest import hf_greedy
 
-    from treeflash_runtime.serving.engine import Request
+    from treeflash_runtime.engine import Request
 
     pair = load("qwen3")
     engine = engine_for(pair, mode)
@@ -144,7 +144,7 @@ def test_every_request_of_a_batch_equals_its_own_greedy_decoding(load, mode):
 def test_a_sampled_request_does_not_depend_on_its_neighbours_or_the_tree(load):
     """Keyed sampling: a request's tokens are a function of its prompt, settings and seed; alone,
     among others (greedy and sampled, other seeds), and even in plain decoding, they are the same."""
-    from treeflash_runtime.serving.engine import Request
+    from treeflash_runtime.engine import Request
 
     pair = load("qwen3")
     prompts = prompts_of(pair)
@@ -170,7 +170,7 @@ def test_a_sampled_request_does_not_depend_on_its_neighbours_or_the_tree(load):
 
 def test_cancelled_and_refused_requests_free_their_slots(load):
     from treeflash_export.errors import ConfigError
-    from treeflash_runtime.serving.engine import Request
+    from treeflash_runtime.engine import Request
 
     pair = load("qwen3")
     engine = engine_for(pair, "treeflash", max_batch=2, capacity=64)
@@ -325,7 +325,7 @@ def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load
     from conftest import hf_greedy
     from test_device_round import HostTensorSpy, _device_tensors, captured_form
 
-    from treeflash_runtime.serving.engine import Request
+    from treeflash_runtime.engine import Request
 
     pair = load("qwen3")
     engine = engine_for(pair, mode)
@@ -333,10 +333,8 @@ def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load
     captured, lines = captured_form(runner), []
     runner.log = lines.append
     runner.capture_all()  # what a CUDA runner with a deployment tree does at start-up
-    tree = runner.tree
-    assert set(runner._graphs) == {("prefill", 1), ("prefill", 2)} | {
-        ("round", b, dataclasses.replace(tree, tree_size=runner.tree_by_bucket[b]), kind, False, False)
-        for b in (1, 2, 3) for kind in (GREEDY, SAMPLE, NUCLEUS)}
+    assert set(runner.graphs) == {("prefill", 1), ("prefill", 2)} | {
+        ("round", b, runner.deployment[b], kind, False, None) for b in (1, 2, 3) for kind in (GREEDY, SAMPLE, NUCLEUS)}
     assert lines[0] == "capturing CUDA graphs 1/11" and lines[-1].startswith("captured 11 CUDA graphs in")
     at_start = len(captured)
     prompts = prompts_of(pair)
@@ -344,18 +342,18 @@ def test_captured_slot_rounds_run_eagerly_are_exact_and_make_no_host_tensor(load
     engine.run(requests)
     for r, ids, n in zip(requests, prompts, BUDGETS):
         assert r.tokens == hf_greedy(pair.verifier, ids, n), (mode, ids)
-    assert len(captured) == at_start == len(runner._graphs)  # serving captured nothing more
+    assert len(captured) == at_start == len(runner.graphs)  # serving captured nothing more
     known = _device_tensors(runner)
     args = (torch.zeros(2, 8, dtype=torch.long), torch.arange(2), torch.tensor([3, 8]), torch.tensor([False, True]))
     with torch.inference_mode(), HostTensorSpy(known + list(args)) as spy:  # args: a replay's static inputs
-        runner._round(3, runner._bucket_tree(3), NUCLEUS)
+        runner.stages.run(3, runner.deployment[3], NUCLEUS)
         runner._prefill_pass(*args)
     assert spy.host_made == []
 
 
 def test_slot_caches_that_do_not_fit_are_one_line_naming_max_batch(load):
     from treeflash_export.errors import ConfigError
-    from treeflash_runtime.backends.torch_backend import TorchRunner
+    from treeflash_runtime.backends.pytorch import TorchRunner
 
     pair = load("qwen3")
     with pytest.raises(ConfigError, match=r"caches for --max-seq-len 100000000 x --max-batch 64 need [\d.]+ GiB .* "
@@ -380,7 +378,8 @@ def test_the_expansion_stops_at_the_deepest_node_a_tree_can_hold(load, mode):
     """A tree of n nodes (the root among them) is at most n - 1 deep, so a round expands only the
     drafter's first n block positions (a reported larger tree: as many as it holds): the trees built
     from those tables equal the trees built from the whole block's, node for node, in both slots."""
-    from treeflash_runtime.backends.torch_backend import TorchRunner, _fields, expansion_depth
+    from treeflash_runtime.backends.pytorch import TorchRunner, expansion_depth
+    from treeflash_runtime.backends.pytorch.stages import _fields
 
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, max_batch=2, capacity=96,
@@ -390,7 +389,7 @@ def test_the_expansion_stops_at_the_deepest_node_a_tree_can_hold(load, mode):
         for slot, ids in enumerate(prompts_of(pair)[:2]):
             runner.admit(slot, SamplingConfig())
             runner.prefill_many([(slot, torch.tensor(ids), True)])
-        z = runner.draft(2, 0)
+        z = runner.stages.draft(2, 0)
         root = runner.state.root[:2]
         checked = 0
         for n in (2, 3, B // 2, B - 1):
@@ -398,11 +397,12 @@ def test_the_expansion_stops_at_the_deepest_node_a_tree_can_hold(load, mode):
                 tree = TreeConfig(mode=mode, tree_size=n, top_m=3, top_k=3)
                 depth = expansion_depth(tree, reported, B)
                 assert depth == min(B, max(n, reported))
-                full = runner._batched_tables(2, root, z, tree)
-                cut = runner._batched_tables(2, root, z[:, :depth], tree)
+                full = runner.stages.expand(2, root, z, tree)
+                cut = runner.stages.expand(2, root, z[:, :depth], tree)
                 assert cut.tokens.shape[1] == depth - 1  # one row per depth
                 for size in {n, max(n, reported)}:
-                    want, got = _fields(runner.build_tree(full, root, size)), _fields(runner.build_tree(cut, root, size))
+                    build = runner.stages.build_tree
+                    want, got = _fields(build(full, root, size)), _fields(build(cut, root, size))
                     for a, b in zip(want, got):
                         assert torch.equal(a, b), (n, reported, size)
                     checked += 1
@@ -417,7 +417,8 @@ def test_captured_plain_steps_keep_each_slots_context_lazily(load):
     from conftest import hf_greedy
     from test_device_round import captured_form
 
-    from treeflash_runtime.backends.torch_backend import TorchRunner
+    from treeflash_runtime.backends.pytorch import TorchRunner
+    from treeflash_runtime.plan import RoundPlan
 
     pair = load("qwen3")
     tree = TreeConfig(mode="treeflash", tree_size=8, top_m=2, top_k=4)
@@ -425,7 +426,6 @@ def test_captured_plain_steps_keep_each_slots_context_lazily(load):
     captured_form(runner)
     B = runner.block_size
     runner.state.pending = runner.state.pending[:, :B].clone()  # the CUDA form's B rows
-    runner.keep_context = True
     prompts = prompts_of(pair)[:3]
     outs = []
     for slot, ids in enumerate(prompts):
@@ -436,10 +436,9 @@ def test_captured_plain_steps_keep_each_slots_context_lazily(load):
     for t in schedule:
         if min(len(o) for o in outs) >= 36:
             break
-        runner.set_bucket_tree(3, t)
-        for o, gained in zip(outs, runner.step(3)):
+        for o, gained in zip(outs, runner.step(RoundPlan(tree=t.resolved(B), keep_context=True)).gained):
             o += gained
     for o, ids in zip(outs, prompts):
         assert o[:36] == hf_greedy(pair.verifier, ids, 36)
-    plain_keys = {k for k in runner._graphs if k[0] == "round" and k[2].mode == "ar"}
-    assert {k[6:] for k in plain_keys} == {(), ("flush",)}, plain_keys
+    plain_keys = {k for k in runner.graphs if k[0] == "round" and k[2].mode == "ar"}
+    assert {k[5] for k in plain_keys} == {"append", "flush"}, plain_keys

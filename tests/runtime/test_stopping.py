@@ -157,7 +157,7 @@ def test_torch_runner_fills_the_cache_to_its_last_needed_slot(greedy):
     from treeflash_export.config import SamplingConfig, TreeConfig
     from treeflash_export.errors import ConfigError
     from treeflash_runtime import generate
-    from treeflash_runtime.backends.torch_backend import TorchRunner
+    from treeflash_runtime.backends.pytorch import TorchRunner
 
     pair, ids, _ = greedy
     S = len(ids) + 20 - 1 + 16

@@ -19,6 +19,7 @@ from treeflash_runtime.tuner import (PLAIN, AcceptanceModel, AutoTuner, BucketCo
                                      default_grid, measure, pair_fingerprint, parse_auto, resolve_settings)
 from treeflash_runtime.tuner.acceptance import Calibrator, bins_of
 from treeflash_runtime.tuner.cost import interpolate
+from treeflash_runtime.plan import NodeReport, RoundReport
 from treeflash_runtime.tuner.policy import can_pay
 
 B = 16
@@ -933,7 +934,6 @@ def test_score_probes_thin_out_while_the_best_tree_is_predicted_slower():
     """A plain-decoding generation probes the best tree after plain steps 2, 4, 8 and 16, then every 16th
     while that tree is predicted at least as fast as plain decoding, and ever more rarely (gaps 32,
     64, 128) while it is predicted slower."""
-    from types import SimpleNamespace
 
     from treeflash_runtime.tuner.online import TreeTuner
 
@@ -945,14 +945,14 @@ def test_score_probes_thin_out_while_the_best_tree_is_predicted_slower():
         auto.acceptance.rounds, auto.acceptance.support = 0, (lambda s: 100.0)
         auto.acceptance.restart_averages = lambda: None
         tuner = TreeTuner(auto)
-        runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None)
-        tuner.serve(runner)
         tuner.new_generation()
+        tuner.start()
         probes = []
         for step in range(1, 130):
-            assert tuner.next_tree(1).mode == "ar"
-            if runner.probe_tree is not None:
-                assert runner.probe_tree.mode == "treeflash" and runner.observing
+            plan = tuner.plan(1)
+            assert plan.tree.mode == "ar"
+            if plan.probe is not None:
+                assert plan.probe.mode == "treeflash" and plan.report_nodes and plan.keep_context
                 probes.append(step)
         assert probes == want, (tokens, probes)
 
@@ -961,7 +961,6 @@ def test_each_request_reports_its_first_tree_rounds_even_after_the_deployment_ha
     """Once OBSERVE_ALL rounds are learnt only every OBSERVE_EVERY-th round reports its nodes, but the
     first REQUEST_OBSERVE tree rounds of each request of one sequence always do: its predictions start
     from the traffic before it, and only its own reports move them."""
-    from types import SimpleNamespace
 
     from treeflash_runtime.tuner.online import OBSERVE_ALL, OBSERVE_EVERY, REQUEST_OBSERVE, TreeTuner
 
@@ -973,14 +972,14 @@ def test_each_request_reports_its_first_tree_rounds_even_after_the_deployment_ha
     auto.acceptance.rounds, auto.acceptance.support = OBSERVE_ALL, (lambda s: 100.0)
     auto.acceptance.restart_averages = lambda: None
     tuner = TreeTuner(auto)
-    runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None)
-    tuner.serve(runner)
     for _ in range(2):  # two requests
         tuner.new_generation()
+        tuner.start()
         reported = []
         for _ in range(40):
-            assert tuner.next_tree(1).mode == "treeflash"
-            reported.append(runner.observing and runner.probe_tree is None)
+            plan = tuner.plan(1)
+            assert plan.tree.mode == "treeflash"
+            reported.append(plan.report_nodes and plan.probe is None)
         assert all(reported[:REQUEST_OBSERVE])
         later = reported[REQUEST_OBSERVE:]
         assert 0 < sum(later) <= len(later) // OBSERVE_EVERY + 3  # every 4th, and the family probes' rounds
@@ -990,7 +989,6 @@ def test_rounds_of_trees_predicted_best_teach_the_realised_factor_seeds_and_grow
     """What a round gained goes to the realised factor with the unscaled prediction it ran on, for the
     choice's rounds, confirming ones and refreshes (each runs a tree predicted best of its kind), not
     for seeds or growth (the prior, an optimistic guess), nor for plain decoding."""
-    from types import SimpleNamespace
 
     from treeflash_runtime.tuner.online import TreeTuner
 
@@ -1012,13 +1010,10 @@ def test_rounds_of_trees_predicted_best_teach_the_realised_factor_seeds_and_grow
 
     auto.setting = setting
     tuner = TreeTuner(auto)
-    runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None, observation=lambda slot, t: None,
-                             probe_observation=lambda slot: None)
-    tuner.serve(runner)
     tuner.new_generation()
+    tuner.start()
     for gained in (2, 4, 1, 5, 3, 1, 2):
-        tuner.next_tree(1)
-        tuner.after_round(runner, gained=gained, tokens=[7] * gained)
+        tuner.learn(RoundReport(tree=tuner.plan(1).tree, gained=[[7] * gained]))
     assert taught == [(3.0, 2), (3.0, 1), (3.0, 3), (3.0, 2)]
 
 
@@ -1027,7 +1022,6 @@ def test_an_engine_request_running_alone_decides_on_its_own_counts():
     one sequence's); while it runs alone the choice reads its own stream and its first REQUEST_OBSERVE
     tree rounds report their nodes; its rounds feed its stream; with two running, the choice reads the
     deployment's counts; a retired request's stream is gone."""
-    from types import SimpleNamespace
 
     from treeflash_runtime.tuner.online import OBSERVE_ALL, REQUEST_OBSERVE, TreeTuner
 
@@ -1044,23 +1038,23 @@ def test_an_engine_request_running_alone_decides_on_its_own_counts():
     setting = auto.setting
     auto.setting = lambda bucket=1, stream=None: asked.append(stream) or setting(bucket, stream)
     tuner = TreeTuner(auto)
-    raw = {"scores": [-0.1, -0.5, -1.0], "m_rank": [0, 0, 0], "k_rank": [0, 1, 0], "accepted": [1, 0, 0], "verified": 3}
-    runner = SimpleNamespace(observing=False, keep_context=False, probe_tree=None, observation=lambda slot, cfg: raw)
-    tuner.serve(runner)
+    raw = NodeReport(scores=[-0.1, -0.5, -1.0], m_rank=[0, 0, 0], k_rank=[0, 1, 0], accepted=[1, 0, 0], verified=3)
+    tuner.start()
     tuner.admitted("a", alone=True)
     assert restarts == [1]
     own = tuner._requests["a"][0]
     reported = []
     for _ in range(REQUEST_OBSERVE + 8):
-        tuner.next_tree(1, ["a"])
-        reported.append(runner.observing)
-        tuner.after_round(runner, 0, 2, request="a")
+        plan = tuner.plan(1, ["a"])
+        reported.append(plan.report_nodes)
+        tuner.learn(RoundReport(tree=plan.tree, gained=[[7, 7]], nodes=[raw] if plan.report_nodes else None),
+                    [(0, "a")])
     assert all(s is own for s in asked) and all(s is own for s in seen)
     assert all(reported[:REQUEST_OBSERVE]) and not all(reported[REQUEST_OBSERVE:])
     tuner.admitted("b", alone=False)
     assert restarts == [1]  # joining a running request is not a new one
     asked.clear()
-    tuner.next_tree(2, ["a", "b"])
+    tuner.plan(2, ["a", "b"])
     assert asked == [None]
     tuner.retired("a")
     assert "a" not in tuner._requests and "b" in tuner._requests
@@ -1188,7 +1182,6 @@ def test_request_slots_hold_plain_decoding_by_far_and_mark_who_ran_without_conte
     and marks the running requests; the next HOLD - 1 rounds of the bucket are not asked; a request
     that joins meanwhile is marked by its first held round; another bucket, or a request arriving
     while none runs, asks at once; a marked request holds a tree choice to plain decoding."""
-    from types import SimpleNamespace
 
     from treeflash_runtime.tuner.online import HOLD, TreeTuner
 
@@ -1204,32 +1197,33 @@ def test_request_slots_hold_plain_decoding_by_far_and_mark_who_ran_without_conte
     setting = auto.setting
     auto.setting = lambda bucket=1, stream=None: asked.append(bucket) or setting(bucket, stream)
     tuner = TreeTuner(auto)
-    runner = SimpleNamespace(observing=False, keep_context=True, probe_tree=None)
-    tuner.serve(runner)
+    tuner.start()
     tuner.admitted("a", alone=True)
     tuner.admitted("b", alone=False)
-    assert tuner.next_tree(4, ["a", "b"]).mode == "ar" and not runner.keep_context
+    plan = tuner.plan(4, ["a", "b"])
+    assert plan.tree.mode == "ar" and not plan.keep_context
     assert asked == [4] and tuner._requests["a"][2] and tuner._requests["b"][2]
     tuner.admitted("c", alone=False)
     assert not tuner._requests["c"][2]
-    assert tuner.next_tree(4, ["a", "b", "c"]).mode == "ar" and asked == [4] and tuner._requests["c"][2]
+    assert tuner.plan(4, ["a", "b", "c"]).tree.mode == "ar" and asked == [4] and tuner._requests["c"][2]
     for _ in range(HOLD - 2):
-        assert tuner.next_tree(4, ["a", "b", "c"]).mode == "ar"
+        assert tuner.plan(4, ["a", "b", "c"]).tree.mode == "ar"
     assert asked == [4]
-    tuner.next_tree(4, ["a", "b", "c"])
+    tuner.plan(4, ["a", "b", "c"])
     assert asked == [4, 4]  # the hold is over
-    tuner.next_tree(1, ["c"])
+    tuner.plan(1, ["c"])
     assert asked == [4, 4, 1]  # another bucket asks at once
     for key in ("a", "b", "c"):
         tuner.retired(key)
     tuner.admitted("d", alone=True)  # no one runs: asked at once, and unmarked
-    tuner.next_tree(1, ["d"])
+    tuner.plan(1, ["d"])
     assert asked == [4, 4, 1, 1] and tuner._requests["d"][2]
     tokens["now"] = 3.0  # trees now pay; "d" ran without context, so it decodes plainly
     auto._memo.clear()
     for _ in range(HOLD - 1):
-        assert tuner.next_tree(1, ["d"]).mode == "ar"
-    assert tuner.next_tree(1, ["d"]).mode == "ar" and runner.keep_context and tuner.held_for_context == 1
+        assert tuner.plan(1, ["d"]).tree.mode == "ar"
+    plan = tuner.plan(1, ["d"])
+    assert plan.tree.mode == "ar" and plan.keep_context and tuner.held_for_context == 1
     tuner.retired("d")
     tuner.admitted("e", alone=True)
-    assert tuner.next_tree(1, ["e"]).mode == "treeflash" and not tuner._requests["e"][2]
+    assert tuner.plan(1, ["e"]).tree.mode == "treeflash" and not tuner._requests["e"][2]

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import PROMPTS, hf_greedy
 from oracle import OracleRunner
 from treeflash_runtime import generate
-from treeflash_runtime.backends.torch_backend import TorchRunner
+from treeflash_runtime.backends.pytorch import TorchRunner
 from treeflash_runtime.tuner.cache import CostCache
 from treeflash_runtime.tuner.cost import BucketCosts, CostModel
 from treeflash_runtime.tuner.online import TreeTuner, cost_key
@@ -45,7 +45,7 @@ def serve_five(engine, pair, budgets) -> list[tuple]:
     fill, then requests join as others leave) -> (request, prompt ids, budget) for each."""
     from test_slots import prompts_of
 
-    from treeflash_runtime.serving.engine import Request
+    from treeflash_runtime.engine import Request
 
     prompts = prompts_of(pair)
     requests = [Request(ids, SamplingConfig(max_new_tokens=n)) for ids, n in zip(prompts, budgets)]
@@ -56,7 +56,7 @@ def serve_five(engine, pair, budgets) -> list[tuple]:
 def test_the_expansions_head_dtype_keys_the_cost_cache(load, pair_dirs):
     """A bf16 expansion head costs less than an fp32 one: a model measured with one is not read back
     for the other."""
-    from treeflash_runtime.backends.torch_backend import TorchRunner
+    from treeflash_runtime.backends.pytorch import TorchRunner
 
     pair, sources = load("qwen3"), _sources(pair_dirs)
     keys = [cost_key(TorchRunner(pair.verifier, pair.drafter, capacity=64, draft_head=d), sources, "float32")
@@ -97,8 +97,7 @@ def test_falls_back_to_plain_decoding_when_drafting_cannot_pay(load, pair_dirs, 
     res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=24), tuner=tuner)
     assert res.token_ids == hf_greedy(pair.verifier, ids, 24)
     assert set(res.stats.tuning["settings_used"]) == {"ar"} and res.stats.tuning["choices"]["1"]["mode"] == "ar"
-    # The tuner's extra work (node reports, the drafter's context in plain steps) ends with its generation.
-    assert not runner.observing and not runner.keep_context
+    assert runner.occupied == 0  # the generation's slot is free again
 
 
 def test_costs_are_measured_once_then_read_from_the_cache(load, pair_dirs, tmp_path):
@@ -106,13 +105,13 @@ def test_costs_are_measured_once_then_read_from_the_cache(load, pair_dirs, tmp_p
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
     lines: list[str] = []
     tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, None, log=lines.append)
-    assert not lines  # measured when a round first asks, not before
-    tuner.next_tree()
+    assert not lines  # measured when an engine starts, not before
+    tuner.start()
     measured = [line for line in lines if line.startswith("tuning: measuring")]
     assert measured and measured[-1].startswith("tuning: measuring a full round")
     lines.clear()
     tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, None, log=lines.append)
-    tuner.next_tree()
+    tuner.start()
     assert not [line for line in lines if line.startswith("tuning: measuring")]
     c = tuner.auto.cost.buckets[1]
     assert c.ar > 0 and c.draft > 0 and set(c.verify) == {4, 8, 16, 32, 64}
@@ -162,7 +161,7 @@ def test_the_engine_tunes_per_bucket_and_stays_exact(load, pair_dirs, tmp_path, 
     """Request slots with the self-tuning tree (cheap trees by hand, an oracle-free real drafter):
     five requests through three slots, joining as others leave; each equals its own greedy decoding,
     the tuner chose per batch bucket, and a DFlash drafter (no head) gets no TreeFlash setting."""
-    from treeflash_runtime.serving.engine import Engine, Request
+    from treeflash_runtime.engine import Engine, Request
 
     pair = load(name)
     runner = TorchRunner(pair.verifier, pair.drafter, max_batch=3, capacity=128,
@@ -170,7 +169,7 @@ def test_the_engine_tunes_per_bucket_and_stays_exact(load, pair_dirs, tmp_path, 
                                          tree_size=16, top_m=4, top_k=8))
     cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
     tuner = tuner_for(runner, _sources(pair_dirs, name), tmp_path, cheap)
-    engine = Engine(runner, prefill_chunk=4, tuner=tuner)
+    engine = Engine(runner, prefill_chunk=4, policy=tuner)
     served = serve_five(engine, pair, [12, 5, 9, 16, 7])
     for r, ids, n in served:
         assert r.tokens == hf_greedy(pair.verifier, ids, n)
@@ -181,7 +180,7 @@ def test_the_engine_tunes_per_bucket_and_stays_exact(load, pair_dirs, tmp_path, 
     assert max(s.tree_size for s in tuner.auto.candidates) <= 16  # within the deployment's tree
     if name == "qwen3-dflash":
         assert not any(s.mode == "treeflash" for s in tuner.used)
-    assert not runner.observing and not runner.keep_context  # off once the engine is done
+    assert runner.occupied == 0  # every slot free once the engine is done
     # The same engine serves another batch: the tuner is served again, and keeps learning.
     learnt = tuner.auto.acceptance.rounds
     again = [Request(ids, SamplingConfig(max_new_tokens=8)) for ids in prompts[:3]]
@@ -197,7 +196,7 @@ def test_plain_decoding_by_far_skips_the_drafters_context_until_those_requests_l
     once in HOLD rounds. When trees turn cheap, the requests that ran without context still decode
     plainly (their drafter context has gaps) until they leave; a request that arrived later then runs
     trees. Every request equals its own greedy decoding."""
-    from treeflash_runtime.serving.engine import Engine, Request
+    from treeflash_runtime.engine import Engine, Request
     from treeflash_runtime.tuner.online import HOLD
 
     pair = load("qwen3")
@@ -207,17 +206,17 @@ def test_plain_decoding_by_far_skips_the_drafters_context_until_those_requests_l
     # half a step each the chain, at 15 ms, came within 75% of plain decoding in one run of the suite).
     dear = CostModel({b: costs(ar=10.0, tree_part=15.0).buckets[1] for b in runner.buckets})
     tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, dear)
-    engine = Engine(runner, prefill_chunk=8, tuner=tuner)
+    engine = Engine(runner, prefill_chunk=8, policy=tuner)
     asked, rounds = [], []
-    next_tree, setting = tuner.next_tree, tuner.auto.setting
+    plan, setting = tuner.plan, tuner.auto.setting
     tuner.auto.setting = lambda *a, **k: asked.append(1) or setting(*a, **k)
 
     def logged(bucket=1, requests=None):
-        tree = next_tree(bucket, requests)
-        rounds.append((set(requests or ()), tree.mode, runner.keep_context))
-        return tree
+        p = plan(bucket, requests)
+        rounds.append((set(requests or ()), p.tree.mode, p.keep_context))
+        return p
 
-    tuner.next_tree = logged
+    tuner.plan = logged
     prompts = [pair.tokenizer(t)["input_ids"] for t in PROMPTS[:2] + ["Once upon a time"]]
     first = [Request(prompts[0], SamplingConfig(max_new_tokens=40)), Request(prompts[1], SamplingConfig(max_new_tokens=48))]
     for r in first:
@@ -339,10 +338,10 @@ def test_with_graphs_the_probe_times_a_replay_of_each_part(load):
         before = runner.state.past_len.clone()
         model = measure(probe, [1], grid, repeats=2, part_budget_s=10.0)
         assert torch.equal(runner.state.past_len, before)
-        parts = [k for k in runner._probe_memo if isinstance(k, tuple) and k[0] == "probe"]
+        parts = [k for k in probe.memo if isinstance(k, tuple) and k[0] == "probe"]
         probes = [f for f in captured if getattr(f, "__name__", "") == "<lambda>"]  # not the prefill passes
         assert len(probes) == len(parts) == len(set(parts))  # one capture per (part, parameters)
-        assert {"z", "tables"} <= set(runner._probe_memo)  # made eagerly, outside every capture
+        assert {"z", "tables"} <= set(probe.memo)  # made eagerly, outside every capture
     c = model.buckets[1]
     assert c.ar > 0 and set(c.verify) == set(grid.verify_nodes) and c.expand["chain"] > 0
 
@@ -364,12 +363,12 @@ def test_with_graphs_exploration_rounds_run_eagerly_and_only_choices_are_capture
     rounds, timed = [], []
     step, observe_time = runner.step, tuner.auto.observe_time
 
-    def spy_step(occupied):
+    def spy_step(plan):
         before = len(captured)
-        out = step(occupied)
+        report = step(plan)
         exploring = tuner.auto.exploring and tuner.auto.explore_reason != "confirm"  # a confirming tree recurs
-        rounds.append((exploring, runner.ran_eagerly, len(captured) > before, runner.tree))
-        return out
+        rounds.append((exploring, report.eager, len(captured) > before, plan.tree))
+        return report
 
     def spy_time(s, bucket, ms):
         timed.append(len(rounds))
@@ -386,7 +385,6 @@ def test_with_graphs_exploration_rounds_run_eagerly_and_only_choices_are_capture
     capturing = {i + 1 for i, (_, _, new, _) in enumerate(rounds) if new}
     assert timed and not eager_rounds & set(timed) and not capturing & set(timed)  # neither is a replay
     assert tuner.auto.outside_ms[1] > 0  # what those rounds took: the budget of later refreshes
-    assert runner.capture_now  # back to capturing once the generation ends
 
 
 def test_a_round_reports_a_tree_twice_its_size_and_labels_only_what_it_verified(load, monkeypatch):
@@ -394,7 +392,9 @@ def test_a_round_reports_a_tree_twice_its_size_and_labels_only_what_it_verified(
     its best 7 nodes are the verified tree's (same scores, same labels from verification, the rest
     unlabelled), so the acceptance model sees the next size up without running it."""
     import numpy as np
-    from treeflash_runtime.backends import torch_backend
+    from treeflash_runtime.backends.pytorch import runner as runner_module
+    from treeflash_runtime.backends.pytorch import stages
+    from treeflash_runtime.plan import RoundPlan
     from treeflash_runtime.tuner.online import observation
     from treeflash_runtime.tuner.setting import Setting
 
@@ -402,26 +402,26 @@ def test_a_round_reports_a_tree_twice_its_size_and_labels_only_what_it_verified(
     ids = pair.tokenizer(PROMPTS[0])["input_ids"]
     want = hf_greedy(pair.verifier, ids, 24)
     tree = TreeConfig(mode="treeflash", tree_size=8, top_m=2, top_k=4)
-    real = torch_backend.observed_size
+    real = stages.observed_size
 
     def one_round(observed_size):
-        monkeypatch.setattr(torch_backend, "observed_size", observed_size)
+        for module in (stages, runner_module):  # where the round builds the reported tree and reads it back
+            monkeypatch.setattr(module, "observed_size", observed_size)
         runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + want, seed=5)
-        runner.observing = True
         t = tree.resolved(runner.block_size)
         runner.begin(torch.tensor(ids), t, SamplingConfig())
-        gained = runner.round()
-        raw = runner.observation(0, t)
-        return observation(Setting(t.mode, t.tree_size, t.top_m, t.top_k), raw), raw, gained
+        report = runner.step(RoundPlan(tree=t, report_nodes=True))
+        raw = report.nodes[0]
+        return observation(Setting(t.mode, t.tree_size, t.top_m, t.top_k), raw), raw, report.gained[0]
 
     small, _, gained = one_round(lambda t: t.tree_size)
     big, raw, gained_big = one_round(real)
     assert gained_big == gained and len(gained) >= 3  # the oracle's path: accepted drafts plus the bonus
-    assert raw["verified"] == 7 and len(raw["scores"]) == 15 and len(big.scores) == 15
+    assert raw.verified == 7 and len(raw.scores) == 15 and len(big.scores) == 15
     np.testing.assert_allclose(big.scores[:7], small.scores)
     assert big.accepted.tolist() == small.accepted.tolist() and int(small.accepted.sum()) == len(gained) - 1
-    assert torch_backend.observed_size(TreeConfig(mode="chain", tree_size=8)) == 8
-    assert torch_backend.observed_size(TreeConfig(tree_size=48)) == 64
+    assert stages.observed_size(TreeConfig(mode="chain", tree_size=8)) == 8
+    assert stages.observed_size(TreeConfig(tree_size=48)) == 64
 
 
 def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pair_dirs, tmp_path):
@@ -454,7 +454,7 @@ def test_plain_decoding_probes_the_best_tree_and_labels_it_in_hindsight(load, pa
     assert res.token_ids == want
     assert res.stats.tuning["settings_used"].get("ar", 0) >= 30
     assert sum(labelled) >= 3  # the probes after plain steps 2, 4, 8 and 16 at least, once labelled
-    assert runner.probe_tree is None and not tuner._waiting
+    assert not tuner._waiting
     # Each labelled probe taught the realised factor what its tree would have gained, against its
     # unscaled prediction (plain decoding ran: no chosen tree would have).
     assert sum(from_probes) == sum(labelled)
@@ -489,7 +489,7 @@ def test_tree_rounds_probe_the_other_family_and_its_labels_stay_with_the_request
     assert len(probes) >= 2, probes  # after the 2nd and 4th tree rounds of the choice at least
     assert all((a == "treeflash") != (b == "treeflash") for a, b in probes), probes
     assert calls.count(False) >= 2  # labelled probes, kept from the deployment's calibration
-    assert runner.probe_tree is None and not tuner._waiting
+    assert not tuner._waiting
 
 
 def test_a_request_alone_in_the_engine_is_probed_as_one_sequence_is(load, pair_dirs, tmp_path):
@@ -499,7 +499,7 @@ def test_a_request_alone_in_the_engine_is_probed_as_one_sequence_is(load, pair_d
     requests are gone. Every request equals its own greedy decoding."""
     from test_slots import prompts_of
 
-    from treeflash_runtime.serving.engine import Engine, Request
+    from treeflash_runtime.engine import Engine, Request
 
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=256, max_batch=2,
@@ -507,21 +507,21 @@ def test_a_request_alone_in_the_engine_is_probed_as_one_sequence_is(load, pair_d
     model = CostModel({b: costs(ar=10.0, tree_part=3.0).buckets[1] for b in runner.buckets})
     tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, model)
     probed, labelled = [], []
-    real_next, real_observe = tuner.next_tree, tuner.auto.acceptance.observe
+    real_plan, real_observe = tuner.plan, tuner.auto.acceptance.observe
 
-    def next_tree(bucket=1, requests=None):
-        tree = real_next(bucket, requests)
-        if tuner._probe is not None:
+    def plan(bucket=1, requests=None):
+        p = real_plan(bucket, requests)
+        if p.probe is not None:
             probed.append(tuple(requests))
-        return tree
+        return p
 
     def observe(obs, stream=None, deployment=True):
         if not deployment:
             labelled.append(stream)
         return real_observe(obs, stream, deployment)
 
-    tuner.next_tree, tuner.auto.acceptance.observe = next_tree, observe
-    engine = Engine(runner, prefill_chunk=8, tuner=tuner)
+    tuner.plan, tuner.auto.acceptance.observe = plan, observe
+    engine = Engine(runner, prefill_chunk=8, policy=tuner)
     prompts = prompts_of(pair)
     alone = Request(prompts[2], SamplingConfig(max_new_tokens=40))
     engine.run([alone])
@@ -534,7 +534,7 @@ def test_a_request_alone_in_the_engine_is_probed_as_one_sequence_is(load, pair_d
     for r, i, n in zip(two, (0, 1), (48, 12)):
         assert r.tokens == hf_greedy(pair.verifier, prompts[i], n)
     assert probed and all(k == (id(two[0]),) for k in probed)  # only once the shorter one had left
-    assert not tuner._waiting and runner.probe_tree is None
+    assert not tuner._waiting
 
 
 def test_a_waiting_probe_is_labelled_by_its_own_requests_tokens_only(pair_dirs, tmp_path):
@@ -542,13 +542,16 @@ def test_a_waiting_probe_is_labelled_by_its_own_requests_tokens_only(pair_dirs, 
     a request that leaves takes its waiting probes with it."""
     from treeflash_runtime.tuner.acceptance import AcceptanceModel, RequestStream
     from treeflash_runtime.tuner.auto import AutoTuner
+    from treeflash_runtime.plan import NodeReport
     from treeflash_runtime.tuner.online import WaitingProbe
     from treeflash_runtime.tuner.setting import Setting
 
     tuner = TreeTuner(AutoTuner(costs(ar=10.0, tree_part=1.0), AcceptanceModel(), [Setting("marginal", 4, 1, 4)], 8))
-    raw = {"tokens": [5, 6], "parents": [0, 1]}  # a chain of two nodes: labelled once two tokens are known
+    # a chain of two nodes: labelled once two tokens are known
+    raw = NodeReport(scores=[-0.1, -0.2], m_rank=[0, 0], k_rank=[0, 0], accepted=[0.0, 0.0], verified=0,
+                     tokens=[5, 6], parents=[0, 1])
     for key in ("a", "b"):
-        tuner._waiting.append(WaitingProbe(Setting("marginal", 4, 1, 4), dict(raw), [], None, key, RequestStream()))
+        tuner._waiting.append(WaitingProbe(Setting("marginal", 4, 1, 4), raw, [], None, key, RequestStream()))
     tuner._label_probes([5], "b")
     assert [w.got for w in tuner._waiting] == [[], [5]]
     tuner.retired("b")
@@ -570,22 +573,22 @@ def test_a_recorded_generation_replays_to_the_predictions_it_ran_on(load, pair_d
     runner = OracleRunner(pair.verifier, pair.drafter, capacity=256, truth=ids + want, seed=1)
     tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree_part=1.0))
     recording = Recording().attach(tuner)
-    live, real_next, real_after = [], tuner.next_tree, tuner.after_round
+    live, real_plan, real_learn = [], tuner.plan, tuner.learn
 
-    def next_tree(*a, **k):
-        tree = real_next(*a, **k)
+    def plan(*a, **k):
+        p = real_plan(*a, **k)
         s = tuner.current
         if s.mode != "ar":
             live.append([tuner.auto.acceptance.expected(s, tuner.stream, runner.block_size, raw=True),
                          tuner.auto.explore_reason, None])
-        return tree
+        return p
 
-    def after_round(*a, gained=None, **k):
+    def learn(report, running=None):
         if tuner.current.mode != "ar":
-            live[-1][2] = gained
-        return real_after(*a, gained=gained, **k)
+            live[-1][2] = len(report.gained[0])
+        return real_learn(report, running)
 
-    tuner.next_tree, tuner.after_round = next_tree, after_round
+    tuner.plan, tuner.learn = plan, learn
     recording.request("the prompt")
     res = generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=96), tuner=tuner)
     assert res.token_ids == want

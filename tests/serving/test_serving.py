@@ -704,7 +704,7 @@ def test_the_batched_service_tunes_within_the_artifacts_tree(artifact, tmp_path,
     tree each round, within the artifact's tree size; every request equals what the artifact's own tree
     gives it (greedy: the verifier's own tokens either way)."""
     from treeflash_export.config import SamplingConfig
-    from treeflash_runtime.serving.engine import Request
+    from treeflash_runtime.engine import Request
     from treeflash_runtime.serving.service import BatchedService
 
     monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path / "cache"))

@@ -1,56 +1,90 @@
-"""The engine loop: each step admits, prefills this step's prompt chunks in one pass, runs one
-batched round over the occupied slots, streams every running request's new tokens and retires the
-finished ones.
+"""The engine loop, the one loop every front end runs (treeflash-run, --prompts-file, Triton,
+treeflash-serve, the benchmarks; one sequence is an engine with one request). Each step admits,
+prefills this step's prompt chunks in one pass, asks the policy for the round's plan, has the runner
+execute it, hands the report back to the policy, streams every running request's new tokens and
+retires the finished ones:
 
-``run`` serves a list of requests to the end (offline batches, the in-process benchmark);
-``start`` runs the loop in a background thread that serves requests submitted from other
-threads (the Triton model's ``execute``), as the Triton vLLM backend does.
+    plan = policy.plan(bucket, requests)     # a RoundPlan: the tree (or plain decoding), reports, probe
+    report = runner.step(plan)               # a RoundReport: tokens per slot, nodes, wall time
+    policy.learn(report, requests)
+
+``run`` serves a list of requests to the end (offline batches, one sequence, the benchmarks);
+``start`` runs the loop in a background thread that serves requests submitted from other threads
+(the Triton model's ``execute``, the OpenAI server), as the Triton vLLM backend does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from typing import Callable
 
 import torch
 
-from treeflash_export.errors import ConfigError
+from treeflash_export.config import SamplingConfig, TreeConfig
 
-from ..loop import Emitter, required_capacity
+from .backends.slots import tree_sizes_by_bucket
+from .plan import PREFILL_CHUNK, FixedPlans, check_fits, checked_tree
 from .scheduler import CANCELLED, FAILED, FINISHED, RUNNING, Request, Scheduler
 
 
+class Emitter:
+    """Collects a request's emitted tokens, applies stop tokens and the token budget, and streams."""
+
+    def __init__(self, sampling: SamplingConfig, on_tokens: Callable[[list[int]], bool | None] | None):
+        self.tokens: list[int] = []
+        self.stop = set(sampling.stop_token_ids)
+        self.budget = sampling.max_new_tokens
+        self.on_tokens = on_tokens
+        self.reason = ""
+
+    def emit(self, new: list[int]) -> bool:
+        """Returns True when generation must end."""
+        take = []
+        for t in new:
+            take.append(t)
+            if t in self.stop:
+                self.reason = "stop_token"
+                break
+            if len(self.tokens) + len(take) >= self.budget:
+                self.reason = "max_new_tokens"
+                break
+        self.tokens.extend(take)
+        # A callback that returns True ends generation after these tokens (stop words, cancelled streams).
+        if self.on_tokens is not None and take and self.on_tokens(take) and not self.reason:
+            self.reason = "stopped"
+        return bool(self.reason)
+
+
 class Engine:
-    def __init__(self, runner, prefill_chunk: int = 256, max_active: int | None = None, tuner=None):
-        """runner: a backends.torch_backend.TorchRunner with its deployment tree; max_active: requests served at once (default and at
-        most its max_batch, the number of slots); tuner: the self-tuning tree
-        (treeflash_runtime.tuner.online.TreeTuner), which picks each round's tree for its batch bucket
-        within the deployment's tree (None: the deployment's tree and its tree sizes by batch)."""
-        self.runner, self.tuner = runner, tuner
-        if tuner is not None:
-            tuner.serve(runner)
+    def __init__(self, runner, policy=None, prefill_chunk: int = PREFILL_CHUNK, max_active: int | None = None):
+        """runner: a backends.base.Runner; policy: what plans each round (the self-tuning tree,
+        treeflash_runtime.tuner.online.TreeTuner, or plan.FixedPlans; None: the runner's deployment
+        tree per bucket); max_active: requests served at once (default and at most the runner's
+        slots)."""
+        self.runner = runner
+        self.policy = policy if policy is not None else FixedPlans(runner.deployment)
         self.scheduler = Scheduler(min(max_active or runner.max_batch, runner.max_batch), prefill_chunk)
         self._emitters: dict[int, Emitter] = {}
         self.rounds_by_batch: dict[int, int] = {}  # running slots in a round -> rounds run so far
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._started = False
+
+    @property
+    def max_tree_size(self) -> int:
+        """The largest tree a round may build: what every request's cache must leave room for."""
+        return self.policy.max_tree_size
 
     # ------------------------------------------------------------------ requests
 
     def check(self, request: Request) -> None:
         """A request that cannot run is refused before it takes a slot (one error for it alone)."""
         request.sampling.validate()
-        n = len(request.prompt_ids)
-        if n < 1:
-            raise ConfigError("the prompt is empty")
-        tree_size = self.runner.max_tree_size
-        need = required_capacity(n, request.sampling.max_new_tokens, tree_size)
-        if need > self.runner.capacity:
-            most = self.runner.capacity - n + 1 - tree_size
-            raise ConfigError(f"prompt ({n}) + max new tokens ({request.sampling.max_new_tokens}) + tree ({tree_size}) "
-                              f"needs {need} cache slots but a slot holds {self.runner.capacity}: "
-                              + (f"ask for at most {most} tokens" if most >= 1 else "shorten the prompt"))
+        check_fits(len(request.prompt_ids), request.sampling.max_new_tokens, self.max_tree_size,
+                   self.runner.capacity, client=self.runner.max_batch > 1)
 
     def submit(self, request: Request) -> Request:
         self.check(request)
@@ -67,19 +101,25 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
+    def _begin(self) -> None:
+        """Before the first admission: the policy may measure the runner (the cost probe takes slots)."""
+        if not self._started:
+            self._started = True
+            self.policy.start()
+
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""
+        self._begin()
         with self._lock:
             admitted = self.scheduler.admit()
-        sched, runner = self.scheduler, self.runner
+        sched, runner, policy = self.scheduler, self.runner, self.policy
         for request in admitted:
             if request.state == CANCELLED:
                 self._finish(request, CANCELLED, "cancelled")
                 continue
             runner.admit(request.slot, request.sampling)
             self._emitters[id(request)] = Emitter(request.sampling, request.on_tokens)
-            if self.tuner is not None:
-                self.tuner.admitted(id(request), alone=sched.occupied == 1)
+            policy.admitted(id(request), alone=sched.occupied == 1)
         for request in [r for r in sched.slots if r.wants_cancel()]:
             self._retire(request, CANCELLED, "cancelled")
         chunks = sched.prefills()
@@ -96,20 +136,15 @@ class Engine:
                     self._emit(request, [first])
         running = [r for r in sched.running() if not r.stop_reason]  # a first token may already end one
         if running:
-            if self.tuner is not None:
-                b = runner.bucket_for(sched.occupied)
-                runner.set_bucket_tree(b, self.tuner.next_tree(b, [id(r) for r in running]))
-            t_round = time.perf_counter()
-            gained = runner.step(sched.occupied)
-            if self.tuner is not None:
-                self.tuner.round_took(time.perf_counter() - t_round, b)
+            plan = policy.plan(runner.bucket_for(sched.occupied), [id(r) for r in running])
+            report = runner.step(plan)
+            policy.learn(report, [(r.slot, id(r)) for r in running])
             self.rounds_by_batch[len(running)] = self.rounds_by_batch.get(len(running), 0) + 1
             for request in running:
-                request.accept_lengths.append(len(gained[request.slot]))
-                if self.tuner is not None:
-                    self.tuner.after_round(runner, request.slot, len(gained[request.slot]), gained[request.slot],
-                                           request=id(request))
-                self._emit(request, gained[request.slot])
+                gained = report.gained[request.slot]
+                request.accept_lengths.append(len(gained))
+                request.drafted.append(report.drafted)
+                self._emit(request, gained)
         for request in sorted((r for r in sched.slots if r.stop_reason), key=lambda r: -r.slot):
             self._retire(request, FINISHED, request.stop_reason)
         return bool(admitted or chunks or running)
@@ -122,11 +157,10 @@ class Engine:
         request.tokens = emitter.tokens
 
     def _retire(self, request: Request, state: str, reason: str) -> None:
-        slot, occupied = self.scheduler.retire(request)
-        self.runner.release(slot, occupied)
+        slot, _ = self.scheduler.retire(request)
+        self.runner.release(slot)
         self._emitters.pop(id(request), None)
-        if self.tuner is not None:
-            self.tuner.retired(id(request))
+        self.policy.retired(id(request))
         self._finish(request, state, reason)
 
     def _finish(self, request: Request, state: str, reason: str) -> None:
@@ -135,16 +169,12 @@ class Engine:
             request.on_done(request)
 
     def close(self) -> None:
-        """Keeps what the self-tuning tree learnt (the next process starts from it) and turns its extra
-        work off on the runner (node reports, the drafter's context in plain steps)."""
-        if self.tuner is not None:
-            self.tuner.save()
-            self.tuner.release(self.runner)
+        """Keeps what the policy learnt (the next process starts from it)."""
+        self.policy.close()
+        self._started = False
 
     def run(self, requests: list[Request], progress=None) -> list[Request]:
         """Serves these requests to the end, in this thread. progress(request) after each one ends."""
-        if self.tuner is not None:  # again after an earlier run's close
-            self.tuner.serve(self.runner)
         for request in requests:
             if progress is not None:
                 request.on_done = _then(request.on_done, progress)
@@ -155,10 +185,15 @@ class Engine:
             self.close()
 
     def drain(self, requests: list[Request]) -> list[Request]:
-        """Steps in this thread until these (submitted) requests are done."""
-        while not all(r.done for r in requests):
-            if not self.step():
-                raise RuntimeError("internal error: the engine stalled with requests left")
+        """Steps in this thread until these (submitted) requests are done. A step that fails fails
+        every request it held (their slots are freed) before the error goes on."""
+        try:
+            while not all(r.done for r in requests):
+                if not self.step():
+                    raise RuntimeError("internal error: the engine stalled with requests left")
+        except BaseException as exc:
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+            raise
         return requests
 
     # ------------------------------------------------------------------ background serving
@@ -167,6 +202,7 @@ class Engine:
         """The loop in a daemon thread: it sleeps while there is nothing to do."""
         if self._thread is not None:
             return
+        self._begin()
         self._thread = threading.Thread(target=self._serve, name="treeflash-engine", daemon=True)
         self._thread.start()
 
@@ -202,6 +238,14 @@ class Engine:
         for request in list(self.scheduler.slots):
             request.error = message
             self._retire(request, FAILED, "error")
+
+
+def fixed_plans(runner, tree: TreeConfig, table: dict[int, int] | None = None) -> FixedPlans:
+    """A fixed tree for every bucket of the runner (checked and resolved against its pair), smaller
+    where ``table`` (batch size -> tree size, --tree-size-by-batch) says so."""
+    tree = checked_tree(runner, tree)
+    sizes = tree_sizes_by_bucket(runner.buckets, tree, table or {})
+    return FixedPlans({b: dataclasses.replace(tree, tree_size=n) for b, n in sizes.items()})
 
 
 def _then(first, second):

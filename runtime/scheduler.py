@@ -5,7 +5,7 @@ failed). Between rounds the scheduler admits waiting requests into free slots (s
 packed: the occupied ones are 0..occupied-1) and retires finished ones at once; a long prompt
 is prefilled in chunks between the running slots' rounds (at most ``prefill_chunk`` prompt tokens
 a step while others run), so running streams are never stalled by a newcomer's whole prompt.
-The runner (backends.torch_backend.TorchRunner) owns the device state; the engine (serving.engine)
+The runner (backends.base.Runner) owns the device state; the engine (treeflash_runtime.engine)
 connects the two.
 """
 
@@ -37,6 +37,7 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the slot's caches
     tokens: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)  # tokens gained per round
+    drafted: list[int] = field(default_factory=list)  # draft nodes verified per round (0: plain decoding)
     stop_reason: str = ""
     error: str = ""
     cancel_requested: bool = False

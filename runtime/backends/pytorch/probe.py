@@ -1,0 +1,168 @@
+"""Adapters that wrap the round's stage functions from outside: the stage timer (benchmarks: seconds
+per stage, eagerly or inside a CUDA graph) and the cost probe (the self-tuning tree's timing of a
+round's parts). Neither changes what a round computes."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from treeflash_export.config import SamplingConfig, TreeConfig
+
+from ...sampling import GREEDY
+from .graphs import kept
+from .stages import STAGES, RoundStages
+from .state import OBS_NODES
+
+# The timer's name for each stage method (the plain step's context is drafter work).
+STAGE_NAMES = {"draft": "draft", "expand": "expand", "build": "tree", "verify": "verify", "accept": "accept",
+               "accept_plain": "accept", "keep_context": "draft", "probe": "probe"}
+
+
+@contextlib.contextmanager
+def stage_timer(stages: RoundStages, totals: dict[str, float], sync, marks: list | None = None):
+    """While active, each outermost stage call adds its seconds to totals[name] (synchronised around
+    it); with ``marks`` and a CUDA capture running, CUDA events recorded into the graph instead
+    (name, start, end), read after replays."""
+    depth = [0]
+
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            if depth[0]:
+                return fn(*args, **kwargs)  # a stage inside another (the probe's drafter pass) counts there
+            if marks is not None and not torch.cuda.is_current_stream_capturing():
+                return fn(*args, **kwargs)  # a graph's warm-up: only the captured events time it
+            depth[0] += 1
+            try:
+                if marks is not None:
+                    start, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+                    start.record()
+                    out = fn(*args, **kwargs)
+                    end.record()
+                    marks.append((name, start, end))
+                    return out
+                sync()
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                sync()
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+                return out
+            finally:
+                depth[0] -= 1
+        return timed
+
+    methods = [m for m in (*STAGES, "accept_plain") if m in STAGE_NAMES]
+    for m in methods:
+        setattr(stages, m, wrap(STAGE_NAMES[m], getattr(stages, m)))
+    try:
+        yield totals
+    finally:
+        for m in methods:
+            vars(stages).pop(m, None)  # the class's own methods again
+
+
+class CostProbe:
+    """Times a round's parts over slots 0..b-1 holding a dummy prompt (inside ``runner.probing``): the
+    tuner's probe protocol (treeflash_runtime.tuner.cost.Probe). Parts: 'ar', 'draft', 'verify'
+    (nodes=N), 'expand' (top_m=M, top_k=K; mode='chain'; mode='marginal', top_k=K), 'tree'
+    (tree_size=N), 'round' (setting=...). With CUDA graphs on, each part is captured once and its
+    replay is timed: the rounds that serve are replays, whose cost an eager call would overstate."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.memo: dict = {}
+
+    @torch.inference_mode()
+    def time_part(self, part: str, b: int, **params) -> float:
+        """Seconds of one part over slots 0..b-1, synchronised; the committed state is put back after,
+        so every call times the same lengths."""
+        r = self.runner
+        st = r.state
+        with kept(st.past_len, st.root, st.pending, st.pending_count, st.out, st.active,
+                  after=r.forget_pending_bound) as restore:
+            run = lambda: self._run_part(part, b, params)  # noqa: E731
+            if r.use_graphs:
+                self._inputs(part, b)  # the drafter pass and tables the parts start from, not timed
+                key = ("probe", part, b, tuple(sorted((k, str(v)) for k, v in params.items())))
+                if key not in self.memo:
+                    self.memo[key] = r.graphs.capture(run, (), restore)
+                    restore()
+                run = self.memo[key]
+            r.sync()
+            t0 = time.perf_counter()
+            run()
+            r.sync()
+            return time.perf_counter() - t0
+
+    def _inputs(self, part: str, b: int) -> None:
+        """The drafter pass (and a tree's tables) that the expansion and tree parts start from, made
+        once per probing session outside any capture."""
+        if part in ("expand", "tree") and "z" not in self.memo:
+            self._run_part("draft-for-probe", b, {})
+        if part == "tree" and "tables" not in self.memo:
+            self._run_part("tree-tables", b, {})
+
+    def _run_part(self, part: str, b: int, params: dict) -> None:
+        r, memo = self.runner, self.memo
+        stages, st = r.stages, r.state
+        P, root = st.past_len[:b], st.root[:b]
+        bound = 0 if r.compiled else min(max(r.slots.host_len[:b]) + 2 * OBS_NODES + r.block_size, r.slot_size)
+
+        def tables_for(cfg):  # the expansion, from one drafter pass per probing session
+            if "z" not in memo:
+                memo["z"] = stages.draft(b, bound)
+            return stages.expand(b, root, memo["z"], cfg)
+
+        def grid(top_m, top_k, mode="treeflash"):  # a grid point, within a draft vocabulary smaller than M or K
+            return TreeConfig(mode=mode, top_m=min(top_m, r.draft_vocab_size), top_k=min(top_k, r.draft_vocab_size))
+
+        def tree_tables():  # what the tree parts build from: TreeFlash's tables, or the marginal tree's
+            return tables_for(grid(4, 16) if r.has_head else grid(1, 16, "marginal"))
+
+        if part == "ar":
+            stages.run(b, TreeConfig(mode="ar"), GREEDY, bound)
+        elif part == "round":
+            s = params["setting"]
+            stages.run(b, TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k).resolved(
+                r.block_size), GREEDY, bound)
+        elif part == "draft":
+            stages.draft(b, bound)
+        elif part == "draft-for-probe":
+            memo["z"] = stages.draft(b, bound)
+        elif part == "tree-tables":
+            memo["tables"] = tree_tables()
+        elif part == "verify":
+            n = int(params["nodes"])
+            ids = torch.arange(n, device=r.device)
+            mask = (ids[:, None] >= ids[None, :]).expand(b, n, n)
+            r.verifier.forward_cached(root[:, None].expand(b, n), P[:, None] + ids, mask, r.slots.first(st.kv, b), P,
+                                      key_bound=bound)
+        elif part == "expand":
+            mode = params.get("mode", "treeflash")
+            tables_for(TreeConfig(mode="chain").resolved(r.block_size) if mode == "chain" else
+                       grid(int(params.get("top_m", 1)), int(params["top_k"]), mode))
+        elif part == "tree":
+            if "tables" not in memo:
+                memo["tables"] = tree_tables()
+            stages.build_tree(memo["tables"], root, int(params["tree_size"]))
+        else:
+            raise ValueError(f"unknown part {part!r}")
+
+
+@contextlib.contextmanager
+def probing(runner, b: int, prompt_tokens: int = 64):
+    """Slots 0..b-1 hold a dummy prompt of ``prompt_tokens`` tokens while a CostProbe times a round's
+    parts; every slot is freed after, so no request may hold one."""
+    if bool(runner.state.active[:b].any()):
+        raise RuntimeError("internal error: the cost probe needs free slots; a request holds one")
+    ids = torch.arange(1, prompt_tokens + 1, device=runner.device) % runner.vocab_size
+    try:
+        for slot in range(b):
+            runner.admit(slot, SamplingConfig())
+        runner.prefill_many([(slot, ids, True) for slot in range(b)])
+        yield CostProbe(runner)
+    finally:
+        for slot in reversed(range(b)):
+            runner.release(slot)
