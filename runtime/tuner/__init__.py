@@ -1,25 +1,18 @@
-"""The self-tuning tree: which settings pay on the machine at hand, per batch bucket.
+"""The self-tuning tree: which tree settings pay on the machine at hand, per batch bucket, decided from
+the throughput real rounds measure. It holds no tensors of the round and imports no backend.
 
-A pure policy over measurements; it holds no tensors of the round and imports no backend. The
-runner implements the probe (`cost.Probe`) that times a round's parts, feeds each verified round
-back as an `acceptance.Observation`, and runs the `Setting` it is given.
-
-- setting:    `Setting`, the bounded candidate sets and `candidate_settings`.
-- cost:       the measured cost model (`measure` over the probe, `CostModel.round_ms`).
-- cache:      the on-disk cache of cost models (`CostCache`, `CostKey`, `pair_fingerprint`).
-- acceptance: calibrated P(accepted | path score) and expected tokens per setting.
-- policy:     `choose` (tokens per second, plain decoding the fallback, hysteresis) and
-              `resolve_settings` / `parse_auto` for explicit values and 'auto'.
-- auto:       `AutoTuner`, the per-round object that explores, then chooses.
+- setting: `Setting` and the bounded candidate set (plain decoding, the chain, one family per tree mode).
+- rule:    the pure policy (`Rule.decide` / `Rule.learn`): confidence bounds on tokens per second,
+           exploration within a share of the time, hindsight gains of a family's smaller trees.
+- prior:   each candidate's round time timed once through the runner's cost probe (orders exploration).
+- cache:   what was measured, on disk per pair, machine and options (`TunerStore`, `CostKey`).
+- online:  `TreeTuner`, the engine's policy: RoundPlans out, RoundReports in.
 """
 
-from .acceptance import AcceptanceModel, Observation, RequestStream
-from .auto import AutoTuner
-from .cache import CostCache, CostKey, pair_fingerprint
-from .cost import BucketCosts, CostModel, Grid, default_grid, measure
-from .policy import Choice, choose, parse_auto, resolve_settings
+from .cache import CostKey, TunerStore, pair_fingerprint
+from .online import TreeTuner
+from .rule import Rule, hindsight
 from .setting import PLAIN, Setting, candidate_settings
 
-__all__ = ["AcceptanceModel", "AutoTuner", "BucketCosts", "Choice", "CostCache", "CostKey", "CostModel", "Grid",
-           "Observation", "PLAIN", "RequestStream", "Setting", "candidate_settings", "choose", "default_grid",
-           "measure", "pair_fingerprint", "parse_auto", "resolve_settings"]
+__all__ = ["CostKey", "PLAIN", "Rule", "Setting", "TreeTuner", "TunerStore", "candidate_settings", "hindsight",
+           "pair_fingerprint"]

@@ -1,4 +1,6 @@
-"""The cost model's disk cache: one JSON file per key under the project's cache folder.
+"""What the self-tuning tree measured, on disk: one JSON file per key under the project's cache
+folder (the prior's round times, and the rule's estimates per bucket), so that the next process
+starts where the last one ended.
 
 The file name is a hash of the key; the key is also stored inside the file and compared on load,
 so a hash collision, a hand-edited file or a file from another format is a miss, never a wrong
@@ -20,9 +22,7 @@ from typing import Callable
 
 from treeflash_export.fsutil import atomic_write_text
 
-from .cost import CostModel
-
-FORMAT = 1  # bump when the file's layout or the meaning of its numbers changes
+FORMAT = 2  # bump when the file's layout or the meaning of its numbers changes
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class CostKey:
     torch.cuda.get_device_name() or 'cpu (2 threads)'; dtype: 'float32', 'bfloat16', ...; backend:
     the runner's name; version: the project's version; max_batch and capacity (the cache length S):
     the graphs' static shapes; block_size: B; options: anything else that changes the timed code
-    (CUDA graphs on/off, fast kernels, the grid), as one string."""
+    (CUDA graphs on/off, fast kernels, the draft vocabulary), as one string; content: what the
+    gains depend on beyond the shapes (the checkpoints' content and the drafter temperature; empty
+    for a pair built in memory, whose gains are then not kept)."""
 
     pair_fingerprint: str
     device_name: str
@@ -42,6 +44,7 @@ class CostKey:
     capacity: int = 0
     block_size: int = 0
     options: str = ""
+    content: str = ""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -52,42 +55,31 @@ class CostKey:
 
 
 def default_cache_dir() -> Path:
-    """<the project's cache folder>/costs ($TREEFLASH_CACHE or ~/.cache/treeflash)."""
+    """<the project's cache folder>/tuner ($TREEFLASH_CACHE or ~/.cache/treeflash)."""
     from treeflash_export.smollm import cache_root
 
-    return cache_root() / "costs"
+    return cache_root() / "tuner"
 
 
-class CostCache:
-    """Measured cost models on disk, one file per CostKey under `root`."""
+class TunerStore:
+    """What was measured for a key: {"prior": {bucket: {label: ms}}, "rates": Rule.to_json()}."""
 
     def __init__(self, root: Path | str | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
 
     def path(self, key: CostKey) -> Path:
-        return self.root / f"costs-{key.digest()}.json"
+        return self.root / f"tuner-{key.digest()}.json"
 
-    def load(self, key: CostKey, log: Callable[[str], None] | None = None) -> CostModel | None:
-        """The cached model for `key`, or None when absent, unreadable or made for another key."""
-        return read_keyed(self.path(key), key.as_dict(), lambda d: CostModel.from_json(d["costs"]),
-                          "cost cache", log, "measuring again")
+    def load(self, key: CostKey, log: Callable[[str], None] | None = None) -> dict | None:
+        def parse(d):
+            if not isinstance(d.get("prior"), dict) or not isinstance(d.get("rates"), dict):
+                raise ValueError("no prior or rates")
+            return d
 
-    def save(self, key: CostKey, model: CostModel) -> Path:
-        return write_keyed(self.path(key), key.as_dict(), {"costs": model.to_json()})
+        return read_keyed(self.path(key), key.as_dict(), parse, "saved tuning", log, "measuring again")
 
-    def get_or_measure(self, key: CostKey, buckets: list[int], measure_buckets: Callable[[list[int]], CostModel],
-                       retune: bool = False, log: Callable[[str], None] | None = None) -> CostModel:
-        """The cached model when it covers `buckets`; else measures what is missing (everything with
-        retune) through measure_buckets(buckets) -> CostModel, saves the union and returns it."""
-        have = None if retune else self.load(key, log)
-        missing = list(buckets) if have is None else [b for b in buckets if b not in have.buckets]
-        if not missing:
-            return have
-        fresh = measure_buckets(missing)
-        model = fresh if have is None else have.merged(fresh)
-        if not fresh.unsteady:  # timed while the machine's speed changed: not kept (see cost.STEADY_DRIFT)
-            self.save(key, model)
-        return model
+    def save(self, key: CostKey, prior: dict, rates: dict) -> Path:
+        return write_keyed(self.path(key), key.as_dict(), {"prior": prior, "rates": rates})
 
 
 def read_keyed(path: Path, key: dict, parse: Callable[[dict], object], what: str,
@@ -112,28 +104,6 @@ def write_keyed(path: Path, key: dict, payload: dict) -> Path:
     """Writes {format, key, **payload} to `path` atomically (temp file + os.replace)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(path, json.dumps({"format": FORMAT, "key": key, **payload}, indent=1, sort_keys=True))
-
-
-class AcceptanceStore:
-    """The acceptance model learnt by earlier generations, one JSON file per pair and tree scoring
-    under `root` (<cache>/acceptance): a new process starts calibrated instead of exploring again.
-    key: what acceptance depends on: the pair's content (not only its shapes: a retrained drafter
-    accepts differently), the block size and the drafter temperature that scores the trees."""
-
-    def __init__(self, root: Path | str | None = None):
-        self.root = Path(root) if root is not None else default_cache_dir().parent / "acceptance"
-
-    def path(self, key: dict) -> Path:
-        blob = json.dumps({"format": FORMAT, **key}, sort_keys=True)
-        return self.root / f"acceptance-{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
-
-    def load_into(self, key: dict, model, log: Callable[[str], None] | None = None) -> bool:
-        """Loads the saved state into `model` (an AcceptanceModel); False when there is none usable."""
-        return bool(read_keyed(self.path(key), key, lambda d: model.load_json(d["acceptance"]) or True,
-                               "saved acceptance model", log))
-
-    def save(self, key: dict, model) -> Path:
-        return write_keyed(self.path(key), key, {"acceptance": model.to_json()})
 
 
 def _safetensors_header(path: Path) -> bytes:

@@ -4,17 +4,11 @@ A `Setting` is (mode, tree_size, top_m, top_k) in the runner's resolved form (se
 `TreeConfig.resolved`): plain decoding is ('ar', 1, 1, 1), the chain is ('chain', B, 1, 1) with B
 the drafter's block size, a marginal tree has top_m 1.
 
-Why these candidate sets:
-- tree sizes N in (4, 8, 16, 32, 64): powers of two from the smallest tree worth building to the
-  paper's default; the runner keeps one graph per size (and per batch bucket), so the set must stay
-  small; sizes between two of them gain little (the expected tokens curve is concave in N).
-- top_m M in (1, 2, 4, 8, 16): the expansion's cost is linear in M (B-1 x M rows through the LM
-  head), so doubling steps cover the range up to the paper's 16 with five points.
-- top_k K in (4, 8, 16): K barely changes the expansion's cost (a top-K over the vocabulary) but
-  bounds how bushy a parent row can be; below 4 a tree hardly branches, above 16 the extra children
-  rank too low to enter a tree of at most 64 nodes.
-That is at most 75 TreeFlash + 15 marginal + chain + plain = 92 settings, few enough to score
-every one at each decision.
+The candidates: plain decoding, the chain, and per tree mode the sizes N in (4, 8, 16, 32, 64) with
+one (M, K) each (FAMILY, unless the user gives them). One (M, K) per mode makes each mode's trees one
+prefix-closed family: a round of the largest tree tells, exactly, what every smaller one would have
+gained (rule.hindsight). The sizes are powers of two from the smallest tree worth building to the
+paper's default; the runner keeps one graph per size (and batch bucket), so the set stays small.
 """
 
 from __future__ import annotations
@@ -22,10 +16,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 TREE_SIZES = (4, 8, 16, 32, 64)
-TOP_MS = (1, 2, 4, 8, 16)
-TOP_KS = (4, 8, 16)
 TREE_MODES = ("treeflash", "marginal")
 FIELDS = ("mode", "tree_size", "top_m", "top_k")
+# (M, K) of each tree mode's family unless given: M = 4 parent rows per position and K = 8 children per
+# row give trees up to 64 nodes room to branch, at an expansion of (B - 1) x 4 rows through the LM head.
+FAMILY = {"treeflash": (4, 8), "marginal": (1, 8)}
 
 
 class Setting(NamedTuple):
@@ -52,16 +47,14 @@ def chain_setting(block_size: int) -> Setting:
 
 
 def candidate_settings(modes: tuple[str, ...], block_size: int, max_tree_size: int = 64, fixed: dict | None = None,
-                       sizes: tuple[int, ...] = TREE_SIZES, top_ms: tuple[int, ...] = TOP_MS,
-                       top_ks: tuple[int, ...] = TOP_KS) -> list[Setting]:
+                       sizes: tuple[int, ...] = TREE_SIZES) -> list[Setting]:
     """The settings to choose between, plain decoding first.
 
     modes: the modes this pair can run ('ar' always; 'chain' and 'marginal' with a drafter;
     'treeflash' with a head). max_tree_size: the largest N the runner allows (sizes above it are
     dropped). fixed: explicit values (field -> value) that every candidate must carry; an explicit
     tree_size, top_m or top_k names a tree, so with the mode left to the tuner only the modes that
-    use that field stay candidates (an explicit `--tree-size 16` builds a 16-node tree, as it did
-    before the tuner). An explicit value outside the sets is used exactly as given.
+    use that field stay candidates. An explicit value outside the sets is used exactly as given.
     """
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     unknown = set(fixed) - set(FIELDS)
@@ -73,18 +66,16 @@ def candidate_settings(modes: tuple[str, ...], block_size: int, max_tree_size: i
     if "mode" not in fixed and "top_m" in fixed:
         want_modes = [m for m in want_modes if m == "treeflash" or (m == "marginal" and fixed["top_m"] == 1)]
     ns = [fixed["tree_size"]] if "tree_size" in fixed else [n for n in sizes if n <= max_tree_size]
-    ms = [fixed["top_m"]] if "top_m" in fixed else list(top_ms)
-    ks = [fixed["top_k"]] if "top_k" in fixed else list(top_ks)
     out: list[Setting] = []
     for mode in want_modes:
         if mode == "ar":
             out.append(PLAIN)
         elif mode == "chain":
             out.append(chain_setting(block_size))
-        elif mode == "marginal":
-            out += [Setting("marginal", n, 1, k) for n in ns for k in ks]
-        elif mode == "treeflash":
-            out += [Setting("treeflash", n, m, k) for n in ns for m in ms for k in ks]
+        elif mode in TREE_MODES:
+            m, k = FAMILY[mode]
+            m = 1 if mode == "marginal" else fixed.get("top_m", m)
+            out += [Setting(mode, n, m, fixed.get("top_k", k)) for n in ns]
         else:
             raise ValueError(f"unknown mode {mode!r}")
     return out

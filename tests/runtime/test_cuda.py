@@ -153,7 +153,6 @@ def test_cuda_slots_fp32_each_request_equals_its_own_greedy(pair_dirs, tmp_path,
     from test_tuning import _sources, costs, serve_five, tuner_for
 
     from treeflash_runtime.engine import Engine
-    from treeflash_runtime.tuner.cost import CostModel
 
     torch.backends.cuda.matmul.allow_tf32 = False
     d = pair_dirs["qwen3"]
@@ -163,8 +162,7 @@ def test_cuda_slots_fp32_each_request_equals_its_own_greedy(pair_dirs, tmp_path,
     assert runner.use_graphs and ("round", 3, runner.deployment[3], GREEDY, False, None) in runner.graphs
     tuner = None
     if tuned:
-        cheap = CostModel({b: costs(ar=10.0, tree_part=1.0).buckets[1] for b in runner.buckets})
-        tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, cheap)
+        tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree=11.0))
     for r, ids, n in serve_five(Engine(runner, policy=tuner), pair, [24, 10, 18, 32, 14]):
         assert r.tokens == _greedy(pair.verifier, ids, n), r.tokens
     if tuned:

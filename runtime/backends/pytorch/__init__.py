@@ -4,6 +4,6 @@ cost probe (probe), and the runner that composes them (runner)."""
 
 from .draft_head import draft_head_default
 from .runner import TorchRunner, fast_kernels_default
-from .stages import expansion_depth, observed_size
+from .stages import expansion_depth
 
-__all__ = ["TorchRunner", "draft_head_default", "expansion_depth", "fast_kernels_default", "observed_size"]
+__all__ = ["TorchRunner", "draft_head_default", "expansion_depth", "fast_kernels_default"]

@@ -14,11 +14,10 @@ from treeflash_export.config import SamplingConfig, TreeConfig
 from ...sampling import GREEDY
 from .graphs import kept
 from .stages import STAGES, RoundStages
-from .state import OBS_NODES
 
 # The timer's name for each stage method (the plain step's context is drafter work).
 STAGE_NAMES = {"draft": "draft", "expand": "expand", "build": "tree", "verify": "verify", "accept": "accept",
-               "accept_plain": "accept", "keep_context": "draft", "probe": "probe"}
+               "accept_plain": "accept", "keep_context": "draft"}
 
 
 @contextlib.contextmanager
@@ -53,7 +52,7 @@ def stage_timer(stages: RoundStages, totals: dict[str, float], sync, marks: list
                 depth[0] -= 1
         return timed
 
-    methods = [m for m in (*STAGES, "accept_plain") if m in STAGE_NAMES]
+    methods = [m for m in STAGES if m in STAGE_NAMES]
     for m in methods:
         setattr(stages, m, wrap(STAGE_NAMES[m], getattr(stages, m)))
     try:
@@ -64,10 +63,9 @@ def stage_timer(stages: RoundStages, totals: dict[str, float], sync, marks: list
 
 
 class CostProbe:
-    """Times a round's parts over slots 0..b-1 holding a dummy prompt (inside ``runner.probing``): the
-    tuner's probe protocol (treeflash_runtime.tuner.cost.Probe). Parts: 'ar', 'draft', 'verify'
-    (nodes=N), 'expand' (top_m=M, top_k=K; mode='chain'; mode='marginal', top_k=K), 'tree'
-    (tree_size=N), 'round' (setting=...). With CUDA graphs on, each part is captured once and its
+    """Times whole rounds over slots 0..b-1 holding a dummy prompt (inside ``runner.probing``): the
+    tuner's probe protocol (treeflash_runtime.tuner.prior). Parts: 'ar' (a plain step), 'round'
+    (setting=...: a whole round at that setting). With CUDA graphs on, each is captured once and its
     replay is timed: the rounds that serve are replays, whose cost an eager call would overstate."""
 
     def __init__(self, runner):
@@ -76,16 +74,24 @@ class CostProbe:
 
     @torch.inference_mode()
     def time_part(self, part: str, b: int, **params) -> float:
-        """Seconds of one part over slots 0..b-1, synchronised; the committed state is put back after,
+        """Seconds of one call over slots 0..b-1, synchronised; the committed state is put back after,
         so every call times the same lengths."""
         r = self.runner
         st = r.state
+        if part == "ar":
+            tree = TreeConfig(mode="ar").resolved(r.block_size)
+        elif part == "round":
+            s = params["setting"]
+            tree = TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k).resolved(r.block_size)
+        else:
+            raise ValueError(f"unknown part {part!r}")
+        bound = 0 if r.compiled or r.use_graphs else min(max(r.slots.host_len[:b]) + max(tree.tree_size, r.block_size),
+                                                          r.slot_size)
         with kept(st.past_len, st.root, st.pending, st.pending_count, st.out, st.active,
                   after=r.forget_pending_bound) as restore:
-            run = lambda: self._run_part(part, b, params)  # noqa: E731
+            run = lambda: r.stages.run(b, tree, GREEDY, bound)  # noqa: E731
             if r.use_graphs:
-                self._inputs(part, b)  # the drafter pass and tables the parts start from, not timed
-                key = ("probe", part, b, tuple(sorted((k, str(v)) for k, v in params.items())))
+                key = (part, b, tree)
                 if key not in self.memo:
                     self.memo[key] = r.graphs.capture(run, (), restore)
                     restore()
@@ -95,60 +101,6 @@ class CostProbe:
             run()
             r.sync()
             return time.perf_counter() - t0
-
-    def _inputs(self, part: str, b: int) -> None:
-        """The drafter pass (and a tree's tables) that the expansion and tree parts start from, made
-        once per probing session outside any capture."""
-        if part in ("expand", "tree") and "z" not in self.memo:
-            self._run_part("draft-for-probe", b, {})
-        if part == "tree" and "tables" not in self.memo:
-            self._run_part("tree-tables", b, {})
-
-    def _run_part(self, part: str, b: int, params: dict) -> None:
-        r, memo = self.runner, self.memo
-        stages, st = r.stages, r.state
-        P, root = st.past_len[:b], st.root[:b]
-        bound = 0 if r.compiled else min(max(r.slots.host_len[:b]) + 2 * OBS_NODES + r.block_size, r.slot_size)
-
-        def tables_for(cfg):  # the expansion, from one drafter pass per probing session
-            if "z" not in memo:
-                memo["z"] = stages.draft(b, bound)
-            return stages.expand(b, root, memo["z"], cfg)
-
-        def grid(top_m, top_k, mode="treeflash"):  # a grid point, within a draft vocabulary smaller than M or K
-            return TreeConfig(mode=mode, top_m=min(top_m, r.draft_vocab_size), top_k=min(top_k, r.draft_vocab_size))
-
-        def tree_tables():  # what the tree parts build from: TreeFlash's tables, or the marginal tree's
-            return tables_for(grid(4, 16) if r.has_head else grid(1, 16, "marginal"))
-
-        if part == "ar":
-            stages.run(b, TreeConfig(mode="ar"), GREEDY, bound)
-        elif part == "round":
-            s = params["setting"]
-            stages.run(b, TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k).resolved(
-                r.block_size), GREEDY, bound)
-        elif part == "draft":
-            stages.draft(b, bound)
-        elif part == "draft-for-probe":
-            memo["z"] = stages.draft(b, bound)
-        elif part == "tree-tables":
-            memo["tables"] = tree_tables()
-        elif part == "verify":
-            n = int(params["nodes"])
-            ids = torch.arange(n, device=r.device)
-            mask = (ids[:, None] >= ids[None, :]).expand(b, n, n)
-            r.verifier.forward_cached(root[:, None].expand(b, n), P[:, None] + ids, mask, r.slots.first(st.kv, b), P,
-                                      key_bound=bound)
-        elif part == "expand":
-            mode = params.get("mode", "treeflash")
-            tables_for(TreeConfig(mode="chain").resolved(r.block_size) if mode == "chain" else
-                       grid(int(params.get("top_m", 1)), int(params["top_k"]), mode))
-        elif part == "tree":
-            if "tables" not in memo:
-                memo["tables"] = tree_tables()
-            stages.build_tree(memo["tables"], root, int(params["tree_size"]))
-        else:
-            raise ValueError(f"unknown part {part!r}")
 
 
 @contextlib.contextmanager

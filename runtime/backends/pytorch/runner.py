@@ -33,7 +33,7 @@ from ..slots import bucket_sizes, power_of_two_groups, tree_sizes_by_bucket
 from . import probe as _probe
 from .draft_head import DraftHead, draft_head_default
 from .graphs import GraphCache, kept, round_key
-from .stages import RoundStages, observed_size
+from .stages import RoundStages
 from .state import OBS_NODES, SlotState, prefill_pass
 
 KINDS = (GREEDY, SAMPLE, NUCLEUS)
@@ -229,13 +229,13 @@ class TorchRunner(Runner):
         if tree.tree_size > max(self.max_tree_size, 1) and tree.mode != "chain":
             raise ConfigError(f"a tree of {tree.tree_size} nodes is larger than this runner's {self.max_tree_size}")
         context = plan.keep_context and self.drafter is not None
-        args = dict(report=plan.report_nodes, probe=plan.probe, keep_context=context)
+        args = dict(report=plan.report_nodes, keep_context=context)
         captured = eager = False
         if self.use_graphs:
             flush = self._flushes(tree, context)
             key = round_key(b, tree, kind, plan.report_nodes, ("flush" if flush else "append") if context else None)
             before = slots.pending_bound
-            if plan.probe is None and (key in self.graphs or plan.may_capture):
+            if key in self.graphs or plan.may_capture:
                 if key not in self.graphs:
                     self._capture_round(key, b, tree, kind, dict(args, flush=flush))
                     captured = True
@@ -257,29 +257,18 @@ class TorchRunner(Runner):
         gained = [row[1 : 1 + row[0]] for row in out]
         for slot, tokens in enumerate(gained):
             slots.host_len[slot] += len(tokens)
-        nodes = probes = None
-        if plan.probe is not None and plan.keep_context and observed_size(plan.probe) <= OBS_NODES:
-            probes = self._node_reports(occupied, plan.probe, probe=True)
-        elif plan.report_nodes and tree.mode != "ar" and observed_size(tree) <= OBS_NODES:
-            nodes = self._node_reports(occupied, tree)
+        nodes = None
+        if plan.report_nodes and tree.mode != "ar" and tree.tree_size <= OBS_NODES:
+            nodes = self._node_reports(occupied, tree.tree_size)
         return RoundReport(tree=tree, gained=gained, seconds=time.perf_counter() - t0, captured=captured, eager=eager,
-                           nodes=nodes, probe=probes)
+                           nodes=nodes)
 
-    def _node_reports(self, occupied: int, tree: TreeConfig, probe: bool = False) -> list[NodeReport]:
-        """Each occupied slot's reported nodes (one read-back for all of them)."""
-        st, n = self.state, observed_size(tree)
-        k = n - 1
+    def _node_reports(self, occupied: int, n: int) -> list[NodeReport]:
+        """Each occupied slot's verified nodes, root excluded (one read-back for all of them)."""
+        st, k = self.state, n - 1
         rows = torch.cat([st.obs_score[:occupied, 1:n], st.obs_rank[:occupied, :, 1:n].float().flatten(1),
                           st.obs_accepted[:occupied, 1:n].float()], dim=1).tolist()
-        if probe:
-            tokens, parents = (t[:occupied, 1:n].tolist() for t in self.stages.probe_nodes)
-        out = []
-        for i, r in enumerate(rows):
-            if probe:
-                out.append(NodeReport(r[:k], r[k : 2 * k], r[2 * k : 3 * k], [0.0] * k, 0, tokens[i], parents[i]))
-            else:
-                out.append(NodeReport(r[:k], r[k : 2 * k], r[2 * k : 3 * k], r[3 * k :], tree.tree_size - 1))
-        return out
+        return [NodeReport(r[:k], r[k : 2 * k], r[2 * k : 3 * k], r[3 * k :]) for r in rows]
 
     def _flushes(self, tree: TreeConfig, context: bool) -> bool:
         """Whether a captured plain step with the drafter's context runs the drafter over the pending

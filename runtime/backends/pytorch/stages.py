@@ -4,7 +4,8 @@ host's ``bound`` is a Python int fixed per call, 0 when captured or compiled). T
 verifier run once over all slots; the expansion and acceptance are the one-sequence functions mapped
 over the slots (torch.vmap: one batched call each); the tree build takes the batch itself.
 
-The stage timer and the cost probe (pytorch.probe) wrap these methods from outside.
+The stage timer and the cost probe (pytorch.probe) wrap these methods from outside. A round may
+report its verified tree's nodes (path scores, ranks, accepted or not) for the self-tuning tree.
 """
 
 from __future__ import annotations
@@ -20,25 +21,17 @@ from treeflash_export.tree import Tables, Tree, build_tree, node_paths, on_accep
 from ...sampling import accept, choose_tokens_keyed
 from .state import OBS_NODES, SlotState
 
-STAGES = ("draft", "expand", "build", "verify", "accept", "keep_context", "probe")
+STAGES = ("draft", "expand", "build", "verify", "accept", "accept_plain", "keep_context")
 
 
-def expansion_depth(tree: TreeConfig, reported: int, block_size: int) -> int:
+def expansion_depth(tree: TreeConfig, block_size: int) -> int:
     """How many of the drafter's block positions a round expands: a tree of n nodes (the root among
-    them) is at most n - 1 deep, so positions past that are never drafted from; with a report of a
-    larger tree (reported nodes, 0: none) as deep as that one. The expansion is mostly the head's
-    weight reads, so the rows saved count less than their share. The chain drafts the whole block."""
+    them) is at most n - 1 deep, so positions past that are never drafted from. The expansion is
+    mostly the LM head's weight reads, so the rows saved count less than their share. The chain
+    drafts the whole block."""
     if tree.mode == "chain":
         return block_size
-    return min(block_size, max(tree.tree_size, reported))
-
-
-def observed_size(tree: TreeConfig) -> int:
-    """The tree whose nodes a round reports to the self-tuning tree: twice the one it verifies (at
-    most OBS_NODES), built from the same tables. Best-first trees are prefix-closed, so the verified
-    tree is its best half, and its scores tell what a larger tree would hold. The chain has one size."""
-    n = tree.tree_size
-    return n if tree.mode == "chain" else max(n, min(2 * n, OBS_NODES))
+    return min(block_size, tree.tree_size)
 
 
 def build_tree_fast(tables: Tables, root: torch.Tensor, tree_size: int) -> Tree:
@@ -64,35 +57,29 @@ class RoundStages:
         self.block_size = slots.block_size
         self.mask_token_id = drafter.cfg.mask_token_id if drafter is not None else -1
         self.build_tree = build_tree_fast if fast_kernels else build_tree
-        self.probe_nodes: tuple | None = None  # (tokens, parents) of the last probe's tree
 
     # ------------------------------------------------------------------ the two rounds
 
     def run(self, b: int, tree: TreeConfig, kind: int, bound: int = 0, *, report: bool = False,
-            probe: TreeConfig | None = None, keep_context: bool = False, flush: bool = True) -> None:
-        """One round: a tree round, or (mode 'ar') a plain step. report: the round's nodes into the
-        state's reports; probe: a tree scored but not verified (reported instead); keep_context: a
-        plain step's features join the drafter's pending context; flush: with graphs, whether that
-        context enters the drafter's cache now (the host decides, see TorchRunner)."""
+            keep_context: bool = False, flush: bool = True) -> None:
+        """One round: a tree round, or (mode 'ar') a plain step. report: the verified tree's nodes go to
+        the state's reports (at most OBS_NODES); keep_context: a plain step's features join the
+        drafter's pending context; flush: with graphs, whether that context enters the drafter's cache
+        now (the host decides, see TorchRunner)."""
         if tree.mode == "ar":
-            self.plain(b, kind, bound, keep_context, flush, probe)
+            self.plain(b, kind, bound, keep_context, flush)
             return
         st = self.slots.state
         self.slots.pending_bound = None  # the round's commit sets each slot's pending count anew
-        n_seen = observed_size(tree)
-        report = report and probe is None and n_seen <= OBS_NODES
         root = st.root[:b]
         z = self.draft(b, bound)
-        tables = self.expand(b, root, z[:, : expansion_depth(tree, n_seen if report else 0, self.block_size)], tree)
-        trees, seen = self.build(b, tables, root, tree.tree_size, n_seen if report else 0)
-        if probe is not None:  # from this round's root and drafter pass, before the commit moves them
-            self.probe(b, probe, bound, z)
+        tables = self.expand(b, root, z[:, : expansion_depth(tree, self.block_size)], tree)
+        trees = self.build(b, tables, root, tree.tree_size, report and tree.tree_size <= OBS_NODES)
         tokens, _, depths, mask, _ = trees
         y, feats = self.verify(b, tokens, depths, mask, kind, bound)
-        self.accept(b, trees, y, feats, seen)
+        self.accept(b, trees, y, feats, report and tree.tree_size <= OBS_NODES)
 
-    def plain(self, b: int, kind: int, bound: int, keep_context: bool, flush: bool,
-              probe: TreeConfig | None) -> None:
+    def plain(self, b: int, kind: int, bound: int, keep_context: bool, flush: bool) -> None:
         """Plain decoding's step: the one node's K/V land at slot P; each active slot gains its token."""
         st = self.slots.state
         root = st.root[:b]
@@ -101,8 +88,6 @@ class RoundStages:
         if keep_context and self.drafter is not None:
             self.keep_context(b, feats, bound, flush)
         self.accept_plain(b, y[:, 0])
-        if probe is not None and keep_context:
-            self.probe(b, probe, bound)
 
     # ------------------------------------------------------------------ stages
 
@@ -138,15 +123,13 @@ class RoundStages:
         return marginal_tables(logits, tree.top_k, tree.drafter_temperature, topk_kernel=self.fast_kernels,
                                vocab_ids=self.head.ids)
 
-    def build(self, b: int, tables: Tables, root: torch.Tensor, n: int, n_seen: int = 0) -> tuple[tuple, tuple | None]:
-        """Stage 3: each slot's best-first tree of n nodes (as a tuple of tensors); with n_seen, also
-        the larger tree whose nodes the round reports (its best n are the verified tree)."""
+    def build(self, b: int, tables: Tables, root: torch.Tensor, n: int, report: bool = False) -> tuple:
+        """Stage 3: each slot's best-first tree of n nodes (as a tuple of tensors); with report, its
+        nodes' path scores and ranks go to the state's reports."""
         trees = _fields(self.build_tree(tables, root, n))
-        if not n_seen:
-            return trees, None
-        seen = trees if n_seen == n else _fields(self.build_tree(tables, root, n_seen))
-        self.report_nodes(b, tables, Tree(*seen))
-        return trees, seen
+        if report:
+            self.report_nodes(b, tables, Tree(*trees))
+        return trees
 
     def verify(self, b: int, tokens, depths, mask, kind: int, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 4: one verifier pass over every slot's nodes (tokens [b, n] at P + depths, mask
@@ -157,7 +140,7 @@ class RoundStages:
         y = choose_tokens_keyed(logits, st.temperature[:b], st.top_p[:b], st.seed[:b], P[:, None] + depths + 1, kind)
         return y, feats
 
-    def accept(self, b: int, trees: tuple, y: torch.Tensor, feats: torch.Tensor, seen: tuple | None = None) -> None:
+    def accept(self, b: int, trees: tuple, y: torch.Tensor, feats: torch.Tensor, report: bool = False) -> None:
         """Stage 5: accept each slot's deepest matching path (tau nodes) and commit it, in fixed shapes:
         its K/V move to slots P..P+tau-1 (no RoPE fix-up: a node at depth d already sits at position
         P + d), its features become the drafter's pending context, its drafts and the bonus go to out.
@@ -183,8 +166,8 @@ class RoundStages:
         st.out[:b, 1 : 1 + L] = gained
         st.past_len[:b] += tau
         st.root[:b] = torch.where(active, bonus, st.root[:b])
-        if seen is not None:  # the reported tree's nodes on the accepted path
-            st.obs_accepted[:b, : seen[0].shape[1]] = on_accepted_path(Tree(*seen), drafts, tau)
+        if report:  # which of the reported nodes lie on the accepted path
+            st.obs_accepted[:b, : trees[0].shape[1]] = on_accepted_path(Tree(*trees), drafts, tau)
 
     def accept_plain(self, b: int, token: torch.Tensor) -> None:
         """Plain decoding's commit: the one node's K/V already sit at slot P; each active slot gains its token."""
@@ -229,18 +212,6 @@ class RoundStages:
                                           slots.first(st.draft_kv, b), key_bound=bound)
         st.pending[:b, :1] = torch.where(active[:, None, None], feats[:, :1].to(st.pending.dtype), st.pending[:b, :1])
         st.pending_count[:b] = torch.where(active, torch.ones_like(count), count)
-
-    def probe(self, b: int, tree: TreeConfig, bound: int, z: torch.Tensor | None = None) -> None:
-        """The tree ``tree`` would have drafted from the current root, built and scored but not
-        verified, its nodes reported like a round's without labels (the self-tuning tree's score probe).
-        After a plain step the drafter's pending context enters its cache on the way, as the next
-        tree round would do it; in a tree round ``z``, the round's own drafter pass, is reused."""
-        root, n = self.slots.state.root[:b], observed_size(tree)
-        z = self.draft(b, bound) if z is None else z
-        tables = self.expand(b, root, z[:, : expansion_depth(tree, n, self.block_size)], tree)
-        seen = Tree(*_fields(self.build_tree(tables, root, n)))
-        self.report_nodes(b, tables, seen)
-        self.probe_nodes = (seen.tokens, seen.parents)
 
     def report_nodes(self, b: int, tables: Tables, seen: Tree) -> None:
         """Each node's path score and ranks of ``seen`` (built from ``tables``) into the state's reports."""

@@ -1,0 +1,66 @@
+"""The prior: each candidate's round time measured once through the runner's cost probe (whole rounds
+on a dummy prompt, not parts summed), which orders exploration and prices the arms that have not run.
+Real rounds override it (rule.py).
+
+The probe protocol (the runner implements it; nothing here touches a tensor):
+
+    probe.time_part('ar', b) -> seconds                     one plain decoding step of b slots
+    probe.time_part('round', b, setting=Setting) -> seconds one whole round at that setting
+
+Each time is the median of a few calls after a warm-up call (graphs, allocator, kernels compiling).
+The plain step is timed before and after the rounds: when the two differ by more than STEADY_DRIFT
+the machine's speed changed meanwhile (another job started or stopped), and the prior serves this
+process only (it is not kept for the next one).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Protocol
+
+from .setting import PLAIN, Setting
+
+REPEATS = 3
+STEADY_DRIFT = 1.25
+SLOW_PART_S = 3.0  # a measurement that takes longer says why (its first call compiling kernels)
+
+
+class Probe(Protocol):
+    def time_part(self, part: str, b: int, **params) -> float: ...
+
+
+def time_median(probe: Probe, part: str, b: int, params: dict, repeats: int = REPEATS) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up call."""
+    probe.time_part(part, b, **params)
+    return statistics.median(float(probe.time_part(part, b, **params)) for _ in range(max(1, repeats)))
+
+
+def measure_prior(probe: Probe, b: int, arms: list[Setting], log: Callable[[str], None] | None = None,
+                  repeats: int = REPEATS) -> tuple[dict[Setting, float], bool]:
+    """({arm: ms per round} for bucket b, steady): plain decoding's step and each tree's whole round."""
+    out: dict[Setting, float] = {}
+    trees = [s for s in arms if s.mode != "ar"]
+    plain_first = 1000.0 * time_median(probe, "ar", b, {}, repeats)
+    for i, s in enumerate(trees, 1):
+        if log:
+            log(f"tuning: timing a round of {s.label()}{f' for {b} slots' if b > 1 else ''} ({i}/{len(trees)})")
+        t0 = time.perf_counter()
+        out[s] = 1000.0 * time_median(probe, "round", b, {"setting": s}, repeats)
+        if log and time.perf_counter() - t0 > SLOW_PART_S:
+            log(f"tuning: {s.label()} took {time.perf_counter() - t0:.1f} s to time, most of it its first call "
+                f"(kernels compiling and a graph captured, on a GPU; compiled kernels are cached for later runs)")
+    plain_last = 1000.0 * time_median(probe, "ar", b, {}, repeats) if trees else plain_first
+    out[PLAIN] = min(plain_first, plain_last)
+    steady = max(plain_first, plain_last) <= STEADY_DRIFT * min(plain_first, plain_last)
+    if log and not steady:
+        log(f"tuning: the plain step took {plain_first:.1f} then {plain_last:.1f} ms while the rounds were timed: "
+            f"the machine's speed changed (another job?), so this prior serves this process only")
+    return out, steady
+
+
+def scaled_prior(measured: dict[Setting, float], b: int, from_b: int) -> dict[Setting, float]:
+    """A bucket's prior from another's, before its own rounds say better: a round over more slots
+    costs more, here assumed a tenth more per slot (real rounds correct it within a few rounds)."""
+    factor = (1.0 + 0.1 * (b - 1)) / (1.0 + 0.1 * (from_b - 1))
+    return {s: ms * factor for s, ms in measured.items()}
