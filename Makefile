@@ -70,7 +70,7 @@ test-oldest:
 # end: a lent machine's minutes are few, so one run should show them all), gpu-test-rest (the rest
 # of the suite, on every core), gpu-bench (fast kernels on and off, every mode, prompts 512 and 8,192),
 # gpu-startup (seconds before the first token, cold and warm), gpu-tune (the self-tuning tree's
-# choice and cost model, one sequence and slots), gpu-bench-compile (torch.compile over the modules:
+# choice and each candidate's estimate, one sequence and slots), gpu-bench-compile (torch.compile over the modules:
 # plain decoding and TreeFlash N = 64 only).
 GPU_OUT ?= artifacts/gpu
 PRESET ?= qwen3-8b
@@ -138,8 +138,8 @@ gpu-bench-batch: gpu-install
 	  r['ms_per_round'], 'x batch 1 %.2f' % r['ratio_to_batch_1']) for r in json.load(open(sys.argv[1]))['batch_rows']]" \
 	  $(GPU_OUT)/bench-batch.json; exit $$status
 
-# The self-tuning tree on the random pair of gpu-startup: one sequence (its choice, the cost model it
-# measured per part) and request slots at concurrency 1, 4 and 8 against plain decoding.
+# The self-tuning tree on the random pair of gpu-startup: one sequence (its choice, every candidate's
+# estimate) and request slots at concurrency 1, 4 and 8 against plain decoding.
 gpu-tune: gpu-install
 	mkdir -p $(GPU_OUT)
 	test -d $(PAIR_DIR) || $(PYTHON) -m treeflash_export.cli random-pair --preset $(PRESET) --out $(PAIR_DIR)
@@ -149,8 +149,8 @@ gpu-tune: gpu-install
 	  --concurrency 1,4,8 --requests 16 --max-new-tokens 64 --ignore-eos --json > $(GPU_OUT)/tune-slots.json
 	$(PYTHON) -c "import json, sys; r = json.load(open(sys.argv[1])); t = r['tuning']; \
 	  print('one sequence: %.1f tok/s, settings used' % r['tokens_per_s'], t['settings_used']); \
-	  [print('  bucket', b, 'ms:', ' '.join('%s %s' % (k, {n: round(x, 2) for n, x in v.items()} if isinstance(v, dict) else round(v, 2)) \
-	   for k, v in c.items())) for b, c in t['cost_ms'].items()]; s = json.load(open(sys.argv[2])); \
+	  [print('  bucket', b, ' '.join('%s %.2f ms %.2f tok/round' % (k, v['round_ms'], v['tokens_per_round']) \
+	   for k, v in c.items())) for b, c in t['arms'].items()]; s = json.load(open(sys.argv[2])); \
 	  [print('slots', x['variant'], x['concurrency'], '%.1f tok/s' % x['tokens_per_s'], 'x ar %.2f' % x['ratio_to_ar'], \
 	   {b: c['mode'] + ' N=%d' % c['tree_size'] for b, c in x.get('tuning', {}).get('choices', {}).items()}) \
 	   for x in s['rows']]" $(GPU_OUT)/tune-run.json $(GPU_OUT)/tune-slots.json
