@@ -37,6 +37,7 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the slot's caches
     tokens: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)  # tokens gained per round
+    drafted: list[int] = field(default_factory=list)  # drafted nodes verified per round (0: plain decoding)
     stop_reason: str = ""
     error: str = ""
     cancel_requested: bool = False
@@ -114,6 +115,18 @@ class Scheduler:
             if budget is not None:
                 budget -= chunk.end - chunk.start
         return chunks
+
+    def withdraw(self, request: Request) -> bool:
+        """Takes a request that still waits for a slot out of the queue (its client left): True if it
+        was waiting, and it is cancelled now; False if it already holds a slot or has ended."""
+        if request.state != WAITING:
+            return False
+        try:
+            self.waiting.remove(request)
+        except ValueError:
+            return False
+        request.state = CANCELLED
+        return True
 
     def running(self) -> list[Request]:
         return [r for r in self.slots if r.state == RUNNING]

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs the serve and dev extras (pip install 'treeflash-export[serve,dev]')")
 
 KEY = "test-key"
+HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 SLOTS, QUEUE = 4, 4
 TREE = ["--tree-size", "16", "--top-m", "4", "--top-k", "4", "--max-seq-len", "256"]
 NEW = 12
@@ -166,7 +167,10 @@ def test_greedy_completions_equal_treeflash_run(server, reference, pair_dirs):
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (n_prompt, len(ids), n_prompt + len(ids))
     spec = u.model_extra["treeflash"]
     assert spec["rounds"] == len(ids) - 1 or finish == "stop"  # the first token comes from the prefill
-    assert spec["drafted_nodes"] == 15 * spec["rounds"]
+    # the module's server tunes its tree (mode auto, N <= 16): each round verified 0 (plain) or N - 1 drafted nodes
+    by_nodes = {int(n): c for n, c in spec["rounds_by_tree_nodes"].items()}
+    assert sum(by_nodes.values()) == spec["rounds"] and set(by_nodes) <= {1, 2, 4, 8, 16}
+    assert spec["drafted_nodes"] == sum((n - 1) * c for n, c in by_nodes.items())
     assert spec["mean_tokens_per_round"] == pytest.approx((spec["accepted_tokens"] + spec["rounds"]) / spec["rounds"])
     # the same prompt as token ids, streamed
     ids_prompt = reference.tokenizer(prompt)["input_ids"]
@@ -362,7 +366,7 @@ def test_bad_requests_get_their_status_and_openai_error(server, what, path, body
     import httpx
 
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(server.url + path, content=content, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    r = httpx.post(server.url + path, content=content, headers=HEADERS, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
