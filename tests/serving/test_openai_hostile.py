@@ -424,6 +424,68 @@ def _check_spec(spec):
         assert spec["mean_acceptance_length"] is None and spec["draft_acceptance_rate"] is None
 
 
+class _ScriptedTuner:
+    """A stand-in for the self-tuning tree that chooses each round's tree from a fixed script (plain decoding,
+    trees of several sizes and modes, the chain), so what each round verified is known exactly."""
+
+    def __init__(self, script):
+        self.script, self.rounds = script, 0
+
+    def serve(self, runner):
+        runner.keep_context = True  # plain steps keep the drafter's context, as the real one asks
+
+    def release(self, runner):
+        runner.keep_context = False
+
+    def next_tree(self, bucket, requests=None):
+        tree = self.script[self.rounds % len(self.script)]
+        self.rounds += 1
+        return tree
+
+    def admitted(self, key, alone): ...
+    def retired(self, key): ...
+    def round_took(self, seconds, bucket): ...
+    def after_round(self, runner, slot, gained, tokens, request=None): ...
+    def save(self): ...
+
+
+def test_drafted_counts_the_nodes_each_round_verified(pair_dirs):
+    """In process, the engine with a scripted tree choice: each request's ``drafted`` holds, round by round,
+    N - 1 for a tree of N nodes (B - 1 for the chain of the block B = 8) and 0 for plain decoding, and the
+    greedy tokens equal their solo generations (one request alone, then two sharing their rounds)."""
+    from conftest import one_thread
+
+    from treeflash_export.config import SamplingConfig, TreeConfig
+    from treeflash_runtime import generate
+    from treeflash_runtime.options import load_session
+    from treeflash_runtime.serving.engine import Engine
+    from treeflash_runtime.serving.scheduler import Request
+    from treeflash_runtime.serving.async_engine import spec_stats
+
+    d = pair_dirs["qwen3"]
+    sess = load_session(model=str(d / "verifier"), drafter=str(d / "drafter"), artifacts=None, verify_checksums=True,
+                        mode="treeflash", tree_size=16, top_m=4, top_k=4, drafter_temperature=None,
+                        max_seq_len=128, device="cpu", dtype="auto", cuda_graphs=False, fast_kernels="auto",
+                        max_batch=2)
+    script = [TreeConfig(mode="ar"), TreeConfig(mode="treeflash", tree_size=16, top_m=4, top_k=4),
+              TreeConfig(mode="chain"), TreeConfig(mode="marginal", tree_size=4, top_k=4),
+              TreeConfig(mode="treeflash", tree_size=8, top_m=2, top_k=4), TreeConfig(mode="ar")]
+    want = [0, 15, 7, 3, 7, 0]
+    ids = [sess.tokenizer(p)["input_ids"][:8] for p in PROMPTS[:2]]  # one length: prefilled together, same rounds
+    with one_thread():
+        solo = [generate(sess.runner, i, script[1], SamplingConfig(max_new_tokens=20)).token_ids for i in ids]
+        for batch in ([ids[0]], ids):
+            tuner = _ScriptedTuner(script)
+            requests = [Request(i, SamplingConfig(max_new_tokens=20)) for i in batch]
+            Engine(sess.runner, tuner=tuner).run(requests)
+            for r, tokens in zip(requests, solo):
+                assert r.tokens == tokens
+                assert r.drafted == [want[k % len(want)] for k in range(len(r.accept_lengths))], r.drafted
+                spec = spec_stats(r.accept_lengths, r.drafted)
+                _check_spec(spec)
+                assert spec["num_drafts"] == sum(1 for n in r.drafted if n)
+
+
 @pytest.mark.parametrize("which", ["auto", "fixed"])
 def test_usage_adds_up_to_the_counters(which, server, fixed, reference):
     s = server if which == "auto" else fixed
