@@ -207,16 +207,17 @@ class AsyncEngine:
 
     def check_prompt_length(self, n: int, req, unit: str = "tokens") -> None:
         """A prompt of n tokens (or, with unit "characters", a text of n characters, which holds at least
-        n / longest_token_chars tokens) that cannot fit a slot is refused."""
+        n / longest_token_chars tokens) that cannot fit a slot is refused. req: the request or its class."""
         runner = self.session.runner
         most = self.max_prompt_tokens if unit == "tokens" else self.max_prompt_chars
         if n > most:
             capacity, tree = runner.capacity, runner.max_tree_size
+            chat = "messages" in (req if isinstance(req, type) else type(req)).model_fields
             raise APIError(400, f"the prompt is {n} {unit} but a request slot holds {capacity} tokens with a tree "
                                 f"of {tree}: at most {capacity - tree} prompt tokens"
                                 + ("" if unit == "tokens" else f" (at most {most} characters)")
                                 + "; shorten it, or serve with a larger --max-seq-len",
-                           param="messages" if hasattr(req, "messages") else "prompt", code="context_length_exceeded")
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
 
     def finished(self, gen: Generation, request: Request) -> Outcome:
         """In the engine thread, once per request: its outcome, recorded in the metrics."""

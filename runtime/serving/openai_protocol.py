@@ -13,7 +13,7 @@ import json
 import re
 import time
 import uuid
-from typing import Literal, Union
+from typing import Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
@@ -207,10 +207,11 @@ def _lone_surrogate(data: dict) -> str | None:
     return None
 
 
-def parse(model: type[_Common], body: bytes) -> _Common:
+def parse(model: type[_Common], body: bytes, check_ids: Callable[[int, "_Common"], None] | None = None) -> _Common:
     """The request body -> a checked request, or an APIError (invalid JSON included). Standard JSON only:
     NaN and Infinity, integers past Python's digit limit, nesting past the recursion limit and unpaired
-    surrogates are 400s like any other malformed body."""
+    surrogates are 400s like any other malformed body. check_ids(n, model) sees the length of a prompt of
+    token ids before its ids are validated one by one (and may refuse it)."""
     try:
         data = json.loads(body or b"null", parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -220,6 +221,11 @@ def parse(model: type[_Common], body: bytes) -> _Common:
     if _SURROGATE_ESCAPE.search(body) and (bad := _lone_surrogate(data)) is not None:
         raise APIError(400, f"{bad}: a string holds an unpaired UTF-16 surrogate (\\ud800-\\udfff); send valid "
                             f"Unicode", param=bad, code="invalid_unicode")
+    ids = data.get("prompt")
+    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
+        ids = ids[0]  # a batch of one
+    if check_ids is not None and isinstance(ids, list) and ids and not isinstance(ids[0], str):
+        check_ids(len(ids), model)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

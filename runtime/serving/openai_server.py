@@ -117,7 +117,7 @@ def create_app(load: Callable[[], object], served_model: str, *, api_key: str | 
         if key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(), key):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
 
-    async def read_request(request: Request, model):
+    async def read_request(request: Request, model, engine):
         """The body as a checked request: JSON only (a page in a browser cannot send it without a CORS
         preflight), at most max_request_bytes, refused before parsing (by Content-Length, or counted while
         it arrives)."""
@@ -136,7 +136,7 @@ def create_app(load: Callable[[], object], served_model: str, *, api_key: str | 
             if size > max_request_bytes:
                 raise too_large
             body.append(chunk)
-        return parse(model, b"".join(body))
+        return parse(model, b"".join(body), engine.check_prompt_length)
 
     app = FastAPI(title="treeflash-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
@@ -186,7 +186,7 @@ def create_app(load: Callable[[], object], served_model: str, *, api_key: str | 
     @v1.post("/completions")
     async def completions(request: Request):
         engine = state.ready()
-        req = await read_request(request, CompletionRequest)
+        req = await read_request(request, CompletionRequest, engine)
         state.check_model(req.model)
         prompt = req.prompt_input()
         from .text import encode_prompt
@@ -204,7 +204,7 @@ def create_app(load: Callable[[], object], served_model: str, *, api_key: str | 
         from .text import encode_chat
 
         engine = state.ready()
-        req = await read_request(request, ChatCompletionRequest)
+        req = await read_request(request, ChatCompletionRequest, engine)
         state.check_model(req.model)
         messages = [m.to_template() for m in req.messages]
         engine.check_prompt_length(sum(len(m["content"]) for m in messages), req, unit="characters")
