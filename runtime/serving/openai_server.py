@@ -4,8 +4,10 @@ batching engine on the torch backend.
 The app only wires routes, errors and the model's life: requests are checked in openai_protocol,
 handed to the engine thread through async_engine, and streamed back as server-sent events. The
 model loads in a thread after the server listens, so /health answers 503 until the first (warm-up)
-generation works. On SIGTERM uvicorn stops accepting connections and gives running requests
---shutdown-timeout seconds; then what still runs is cancelled and the engine stops.
+generation works. Bodies are JSON only and bounded (--max-request-bytes) before they are parsed. On
+SIGTERM uvicorn stops accepting connections and the requests in flight get --shutdown-timeout seconds;
+then each still running or waiting ends with an error its client sees (an error event and [DONE], or a
+503), and the engine stops.
 """
 
 from __future__ import annotations
