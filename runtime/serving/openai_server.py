@@ -30,6 +30,7 @@ try:  # the serve extra; this module is the server, so it needs them from the st
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.routing import APIRoute
     from starlette.exceptions import HTTPException
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(f"treeflash-serve needs the serve extra: pip install 'treeflash-export[serve]' ({exc})") from exc
@@ -37,6 +38,26 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from ..options import check_model_options, load_session, model_options
 from .openai_protocol import (MAX_REQUEST_BYTES, APIError, ChatCompletionRequest, CompletionRequest, chunk_body,
                               completion_body, error_body, new_id, parse)
+
+
+class _Route(APIRoute):
+    """A /v1 route whose unexpected exception (a bug) is logged and answered as an APIError: Starlette's
+    handler for Exception re-raises after answering, and uvicorn then drops the kept-alive connection,
+    which a pooled client's next request would find closed."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def guarded(request):
+            try:
+                return await handler(request)
+            except (APIError, HTTPException, RequestValidationError):
+                raise
+            except Exception as exc:  # noqa: BLE001 turned into the request's error, traceback logged
+                logging.getLogger("uvicorn.error").exception("treeflash-serve: internal error")
+                raise APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error") from None
+
+        return guarded
 
 
 class ServerState:
@@ -141,7 +162,7 @@ def create_app(load: Callable[[], object], served_model: str, *, api_key: str | 
         return parse(model, b"".join(body), engine.check_prompt_length)
 
     app = FastAPI(title="treeflash-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)], route_class=_Route)
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):

@@ -213,6 +213,7 @@ def test_a_lone_surrogate_is_a_400_on_a_connection_that_stays_usable(server, ref
         r = _post(server.url, C, b'{"prompt": "a\\ud800b", "max_tokens": 2}', client=client)
         _is_openai_error(r, 400, "prompt", "invalid_unicode")
         assert r.headers.get("connection") != "close"
+        port = _local_port(r)
         r = _post(server.url, CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', client=client)
         _is_openai_error(r, 400, "messages", "invalid_unicode")
         # a valid pair of surrogates is a character like any other
@@ -220,6 +221,67 @@ def test_a_lone_surrogate_is_a_400_on_a_connection_that_stays_usable(server, ref
         assert r.status_code == 200, r.text
         r = _post(server.url, C, {"prompt": PROMPTS[2], "max_tokens": NEW, "temperature": 0}, client=client)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(PROMPTS[2])[0]
+        assert _local_port(r) == port  # one connection all along
+
+
+def _local_port(response) -> int:
+    """The client's end of the connection that carried the response."""
+    return response.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
+
+
+def test_an_internal_error_is_a_500_on_a_connection_that_stays_usable(pair_dirs, monkeypatch):
+    """In process (a bug has to be planted): a request whose handling raises unexpectedly gets a 500 in
+    OpenAI's shape, and the same kept-alive connection serves the next request."""
+    import httpx
+    import uvicorn
+
+    import treeflash_runtime.serving.text as text
+    from treeflash_runtime.options import load_session
+    from treeflash_runtime.serving.local_server import free_port
+    from treeflash_runtime.serving.openai_server import create_app
+
+    d = pair_dirs["qwen3"]
+
+    def load():
+        return load_session(model=str(d / "verifier"), drafter=str(d / "drafter"), artifacts=None,
+                            verify_checksums=True, mode="treeflash", tree_size=8, top_m=4, top_k=4,
+                            drafter_temperature=None, max_seq_len=128, device="cpu", dtype="auto", cuda_graphs=False,
+                            fast_kernels="auto", max_batch=1)
+
+    encode = text.encode_prompt
+
+    def planted(tok, prompt):
+        if prompt == "boom":
+            raise RuntimeError("a planted bug")
+        return encode(tok, prompt)
+
+    monkeypatch.setattr(text, "encode_prompt", planted)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(load, "tiny", api_key=KEY), host="127.0.0.1", port=port,
+                                           log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with httpx.Client(headers=HEADERS, timeout=60) as client:
+            r = _post(url, C, {"prompt": "boom", "max_tokens": 2}, client=client)
+            error = _is_openai_error(r, 500)
+            assert error["type"] == "server_error" and "a planted bug" in error["message"]
+            first = _local_port(r)
+            r = _post(url, C, {"prompt": PROMPTS[0], "max_tokens": 2}, client=client)
+            assert r.status_code == 200 and _local_port(r) == first
+    finally:
+        server.should_exit = True
+        thread.join(60)
 
 
 @pytest.mark.parametrize("content_type,status", [
