@@ -600,6 +600,21 @@ def test_usage_adds_up_to_the_counters(which, server, fixed, reference):
     assert after[f"vllm:num_requests_running{m}"] == 0 and after[f"vllm:num_requests_waiting{m}"] == 0
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["--request-timeout", "0"], "--request-timeout must be > 0"),
+    (["--max-request-bytes", "100"], "--max-request-bytes must be at least 1024"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+])
+def test_server_limits_out_of_range_are_one_line_errors(flags, words):
+    from click.testing import CliRunner
+
+    from treeflash_runtime.serving.openai_server import main
+
+    r = CliRunner().invoke(main, flags)
+    assert r.exit_code == 2 and r.output.startswith("error: ") and words in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
 # ---------------------------------------------------------------- timeouts and shutdown (the fixed server)
 
 
