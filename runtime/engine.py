@@ -94,10 +94,14 @@ class Engine:
         return request
 
     def cancel(self, request: Request) -> None:
-        """Ends the request at the next step; its slot goes to the next request."""
+        """Ends the request at the next step; its slot goes to the next request. One still waiting for a
+        slot leaves the queue at once (and is reported done in the caller's thread)."""
         request.cancel_requested = True
         with self._lock:
+            withdrawn = self.scheduler.withdraw(request)
             self._lock.notify()
+        if withdrawn:
+            self._finish(request, CANCELLED, "cancelled")
 
     # ------------------------------------------------------------------ the loop
 
@@ -121,16 +125,17 @@ class Engine:
             if request.state == CANCELLED:
                 self._finish(request, CANCELLED, "cancelled")
                 continue
-            runner.admit(request.slot, request.sampling)
+            if not self._isolated([request], lambda: runner.admit(request.slot, request.sampling))[0]:
+                continue
             self._emitters[id(request)] = Emitter(request.sampling, request.on_tokens)
             policy.admitted(id(request), alone=sched.occupied == 1)
         for request in [r for r in sched.slots if r.wants_cancel()]:
             self._retire(request, CANCELLED, "cancelled")
         chunks = sched.prefills()
-        if chunks:  # every chunk of this step in one pass
-            firsts = runner.prefill_many([
-                (c.request.slot, torch.tensor(c.request.prompt_ids[c.start : c.end], dtype=torch.long,
-                                              device=runner.device), c.last) for c in chunks])
+        prefilled, firsts = self._isolated([c.request for c in chunks], lambda: runner.prefill_many([
+            (c.request.slot, torch.tensor(c.request.prompt_ids[c.start : c.end], dtype=torch.long,
+                                          device=runner.device), c.last) for c in chunks])) if chunks else (False, None)
+        if prefilled:  # every chunk of this step in one pass
             for chunk, first in zip(chunks, firsts):
                 request = chunk.request
                 request.prefilled = chunk.end
@@ -152,6 +157,17 @@ class Engine:
         for request in sorted((r for r in sched.slots if r.stop_reason), key=lambda r: -r.slot):
             self._retire(request, FINISHED, request.stop_reason)
         return bool(admitted or chunks or running)
+
+    def _isolated(self, requests: list[Request], fn):
+        """fn() for these requests alone (their admission or prefill): if it raises, they fail and
+        leave their slots, and the step goes on for the others. Returns (whether it ran, its result)."""
+        try:
+            return True, fn()
+        except Exception as exc:  # noqa: BLE001 one request's failure must not end the others'
+            for request in sorted(requests, key=lambda r: -r.slot):  # packed slots: the highest first
+                request.error = f"{type(exc).__name__}: {exc}"
+                self._retire(request, FAILED, "error")
+            return False, None
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         emitter = self._emitters[id(request)]

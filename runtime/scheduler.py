@@ -116,6 +116,18 @@ class Scheduler:
                 budget -= chunk.end - chunk.start
         return chunks
 
+    def withdraw(self, request: Request) -> bool:
+        """Takes a request that still waits for a slot out of the queue (its client left): True if it
+        was waiting, and it is cancelled now; False if it already holds a slot or has ended."""
+        if request.state != WAITING:
+            return False
+        try:
+            self.waiting.remove(request)
+        except ValueError:
+            return False
+        request.state = CANCELLED
+        return True
+
     def running(self) -> list[Request]:
         return [r for r in self.slots if r.state == RUNNING]
 

@@ -17,6 +17,10 @@ from .errors import CheckpointError, ConfigError
 MODES = ("treeflash", "marginal", "chain", "ar")
 # TensorRT's TopK supports k <= 3840; we keep every graph inside that limit.
 MAX_TOPK = 3840
+# What the runtime stores per request: the seed in an int64 tensor (as vLLM bounds it), temperature and
+# top-p in float32 (a top-p that float32 flushes to 0 would keep no token).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MIN_TOP_P = 1e-6
 
 
 @dataclass(frozen=True)
@@ -80,12 +84,14 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
 
     def validate(self) -> None:
-        if self.temperature < 0:
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too
             raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not MIN_TOP_P <= self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ConfigError(f"--seed must fit in int64 ({SEED_MIN}..{SEED_MAX}), got {self.seed}")
 
 
 @dataclass(frozen=True)

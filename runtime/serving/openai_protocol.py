@@ -9,13 +9,25 @@ any other field is refused as unrecognised, as OpenAI's own API does.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
-from typing import Literal, Union
+from typing import Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
+from treeflash_export.config import MIN_TOP_P, SEED_MAX, SEED_MIN
 from treeflash_export.errors import TreeFlashError
+
+# The bounds of what a request may carry (docs/openai-server.md lists them). Numbers are bounded to what
+# the engine stores (seed: int64; token budgets: int32, then the slot's cache); stop strings to a count and
+# length that keep matching them cheap next to a round.
+MAX_TOKENS = 2**31 - 1
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_REQUEST_BYTES = 4 * 2**20  # the default of --max-request-bytes
 
 
 class APIError(TreeFlashError):
@@ -68,10 +80,10 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None  # None: the served model
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default; 0 is greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: StrictInt | None = None  # None: a fresh random seed per request
+    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)  # OpenAI's default; 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)  # below MIN_TOP_P it acts as MIN_TOP_P
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # None: a fresh random seed per request
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -89,9 +101,22 @@ class _Common(BaseModel):
             raise APIError(400, f"n must be 1 (one choice per request), got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if any(not s for s in self.stop_strings):
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+        if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise APIError(400, f"stop: a stop string may hold at most {MAX_STOP_CHARS} characters, got one of "
+                                f"{longest}", param="stop")
         return self
+
+    @property
+    def engine_top_p(self) -> float:
+        """top_p as the engine stores it (float32): below MIN_TOP_P only the most probable token is kept
+        either way (it alone holds more than MIN_TOP_P of the mass for any vocabulary under a million)."""
+        return max(self.top_p, MIN_TOP_P)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -150,7 +175,7 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
 
     @model_validator(mode="after")
     def _one_budget(self):
@@ -164,16 +189,43 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens or self.max_tokens
 
 
-def parse(model: type[_Common], body: bytes) -> _Common:
-    """The request body -> a checked request, or an APIError (invalid JSON included)."""
-    import json
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(data: dict) -> str | None:
+    """The top-level field holding a string with an unpaired UTF-16 surrogate (JSON escapes such as
+    "\\ud800" decode to one; no tokenizer or UTF-8 response can carry it), or None."""
+    for key, value in data.items():
+        try:
+            json.dumps({key: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return key.encode("utf-8", "backslashreplace").decode("utf-8")  # the name itself may hold one
+    return None
+
+
+def parse(model: type[_Common], body: bytes, check_ids: Callable[[int, "_Common"], None] | None = None) -> _Common:
+    """The request body -> a checked request, or an APIError (invalid JSON included). Standard JSON only:
+    NaN and Infinity, integers past Python's digit limit, nesting past the recursion limit and unpaired
+    surrogates are 400s like any other malformed body. check_ids(n, model) sees the length of a prompt of
+    token ids before its ids are validated one by one (and may refuse it)."""
     try:
-        data = json.loads(body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON ({exc})") from None
+        data = json.loads(body or b"null", parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"the body is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body) and (bad := _lone_surrogate(data)) is not None:
+        raise APIError(400, f"{bad}: a string holds an unpaired UTF-16 surrogate (\\ud800-\\udfff); send valid "
+                            f"Unicode", param=bad, code="invalid_unicode")
+    ids = data.get("prompt")
+    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
+        ids = ids[0]  # a batch of one
+    if check_ids is not None and isinstance(ids, list) and ids and not isinstance(ids[0], str):
+        check_ids(len(ids), model)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

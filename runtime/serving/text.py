@@ -26,6 +26,52 @@ def encode_chat(tok, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+def longest_token_chars(tok) -> int:
+    """The most characters of text one token of this tokenizer stands for (its longest vocabulary entry:
+    a byte-level entry holds one symbol per byte, a SentencePiece one a symbol per character). A text
+    longer than capacity x this cannot fit a cache of that capacity, so it is refused without tokenizing."""
+    return max((len(t) for t in tok.get_vocab()), default=1) or 1
+
+
+class _OpenTails:
+    """For each stop string, the length of the longest end of the text so far that is a beginning of it
+    (Knuth-Morris-Pratt states), fed only the new characters: linear in the text, whatever the strings."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = stop
+        self.fail = [self._failure(w) for w in stop]
+        self.state = [0] * len(stop)
+
+    @staticmethod
+    def _failure(w: str) -> list[int]:
+        """fail[k]: the longest proper border of w[:k] (k = 1..len(w)); fail[0] unused."""
+        fail, k = [0] * (len(w) + 1), 0
+        for i in range(1, len(w)):
+            while k and w[i] != w[k]:
+                k = fail[k]
+            if w[i] == w[k]:
+                k += 1
+            fail[i + 1] = k
+        return fail
+
+    def feed(self, text: str) -> int:
+        """New characters -> the longest open tail: an end of the text that is a proper beginning of a
+        stop string (a whole one found here counts by its longest proper border)."""
+        longest = 0
+        for j, (w, fail) in enumerate(zip(self.stop, self.fail)):
+            k = self.state[j]
+            for ch in text:
+                if k == len(w):
+                    k = fail[k]
+                while k and ch != w[k]:
+                    k = fail[k]
+                if ch == w[k]:
+                    k += 1
+            self.state[j] = k
+            longest = max(longest, fail[k] if k == len(w) else k)
+        return longest
+
+
 class IncrementalText:
     """Decodes a growing token list to text pieces, holding back incomplete UTF-8 sequences, and
     finds stop words (the text is cut right after the first one)."""
@@ -78,6 +124,9 @@ class StopText:
         self.inner = IncrementalText(tokenizer, tuple(stop))
         self.stop = tuple(stop)
         self.sent = 0  # characters of the inner text handed out
+        self.tails = _OpenTails(self.stop)
+        self.fed = 0  # characters of the inner text fed to the tails
+        self.open = 0  # the open tail after them
 
     @property
     def tokens(self) -> list[int]:
@@ -105,9 +154,11 @@ class StopText:
         return self._hand_out(len(self.inner.text))
 
     def _open_tail(self, text: str) -> int:
-        """The length of the longest end of ``text`` that is a proper beginning of a stop string."""
-        return max((k for w in self.stop for k in range(min(len(w) - 1, len(text)), 0, -1)
-                    if text.endswith(w[:k])), default=0)
+        """The length of the longest end of ``text`` (the inner text, which only grows) that is a proper
+        beginning of a stop string; only the characters new since the last call are scanned."""
+        if len(text) > self.fed:
+            self.open, self.fed = self.tails.feed(text[self.fed:]), len(text)
+        return self.open
 
     def _hand_out(self, end: int) -> str:
         # A held-back tail is always longer than the one before it, so end never moves backwards.
