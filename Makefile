@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
 
-.PHONY: setup demo tiny-demo test test-oldest gpu-install gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile gpu-startup gpu-tune clean
+.PHONY: setup demo tiny-demo test bench-default test-oldest gpu-install gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile gpu-startup gpu-tune clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,13 @@ tiny-demo: setup $(TINY)
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The self-tuning tree's protocol on the default pair (docs/results): the demo prompt at first contact
+# and again against plain decoding and eight fixed trees, the held-out sets, request slots; each on the
+# machine as it is and on one core with one thread. About half an hour on a 2-core CPU.
+bench-default: setup
+	$(BIN)/python -m treeflash_runtime.bench.protocol
+	$(BIN)/python -m treeflash_runtime.bench.protocol --one-core
 
 # The suite on the oldest releases pyproject.toml allows: every requirement of the project and its
 # extras pinned to its lower bound (tests/floors.py writes the pins), in a virtual environment of its

@@ -18,9 +18,10 @@ from typing import NamedTuple
 TREE_SIZES = (4, 8, 16, 32, 64)
 TREE_MODES = ("treeflash", "marginal")
 FIELDS = ("mode", "tree_size", "top_m", "top_k")
-# (M, K) of each tree mode's family unless given: M = 4 parent rows per position and K = 8 children per
-# row give trees up to 64 nodes room to branch, at an expansion of (B - 1) x 4 rows through the LM head.
-FAMILY = {"treeflash": (4, 8), "marginal": (1, 8)}
+# (M, K) of each tree mode's family unless given: K = 8 children per row give trees up to 64 nodes room
+# to branch; M = 2 parent rows per position keep the expansion at (B - 1) x 2 rows through the LM head
+# (on the demo pair's CPU the best fixed trees had M = 1-2 and K = 8-16: docs/results).
+FAMILY = {"treeflash": (2, 8), "marginal": (1, 8)}
 
 
 class Setting(NamedTuple):

@@ -164,8 +164,8 @@ class TorchRunner(Runner):
         if not 0 <= slot <= self.occupied or slot >= self.max_batch:
             raise ConfigError(f"internal error: slot {slot} is not the next free one of {self.max_batch}")
         self._own_drafter_setting()
+        self.occupied = max(self.occupied, slot + 1)  # held even if its settings fail below: released as any
         self.slots.admit(slot, sampling)
-        self.occupied = max(self.occupied, slot + 1)
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: torch.Tensor, last: bool) -> int | None:

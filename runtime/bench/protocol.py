@@ -1,0 +1,126 @@
+"""The self-tuning tree's protocol on the default pair (``make bench-default``): what docs/results
+records for it, in one command, each figure beside plain decoding's from the same run.
+
+1. ``make demo``'s prompt: the default at first contact (an empty tuner cache) and again after it,
+   plain decoding, and the eight fixed trees N = 8/16, M = 2/4, K = 4/8, each its own treeflash-run.
+2. The held-out sets (everyday chat, code, standard-library requests): ``treeflash-bench
+   --heldout-prompts`` with the default, one fixed tree and plain decoding, prompt by prompt.
+3. In process, request slots at concurrency 1 and 8: the default, three hand tables and plain decoding.
+
+``--one-core`` runs every command on CPU 0 with one thread (``taskset -c 0``, OMP_NUM_THREADS=1),
+which moves the ratios between a round's parts as another CPU would. Results go to OUT as JSON, and
+a summary is printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+PROMPT = "Write a Python function that checks whether a number is prime."
+FIXED = [(n, m, k) for n in (8, 16) for m in (2, 4) for k in (4, 8)]
+TABLES = "1:8;1:16,8:8;1:8,8:4"
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def _run(cmd: list[str], env: dict, one_core: bool, log) -> dict:
+    if one_core:
+        cmd = ["taskset", "-c", "0", *cmd]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise click.ClickException(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    log(f"  {time.perf_counter() - t0:.0f} s: {' '.join(cmd[-12:])}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@click.command()
+@click.option("--out", default="artifacts/bench-default", type=click.Path(file_okay=False), show_default=True)
+@click.option("--one-core", is_flag=True, help="Every command on CPU 0 with one thread.")
+@click.option("--max-new-tokens", default=96, show_default=True)
+@click.option("--heldout", default=10, show_default=True, help="Prompts per held-out set (0: skip the sets).")
+@click.option("--slots/--no-slots", default=True, help="The request-slot rows.")
+def main(out, one_core, max_new_tokens, heldout, slots):
+    """Runs the protocol; prints a summary."""
+    log = lambda m: click.echo(m, err=True)  # noqa: E731
+    out = Path(out) / ("one-core" if one_core else "as-is")
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if one_core:
+        env["OMP_NUM_THREADS"] = "1"
+    # An empty tuner cache: the converted default verifier is kept (converting it is not tuning).
+    from treeflash_export.smollm import cache_root
+
+    cache = out / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir()
+    for entry in cache_root().iterdir():
+        if entry.name.startswith("smollm2"):
+            shutil.copytree(entry, cache / entry.name)
+    env["TREEFLASH_CACHE"] = str(cache)
+    run = [_bin("treeflash-run"), "--chat", "--prompt", PROMPT, "--max-new-tokens", str(max_new_tokens), "--json"]
+    res: dict = {"one_core": one_core, "max_new_tokens": max_new_tokens, "demo": {}}
+    log("the demo prompt")
+    res["demo"]["auto first contact"] = _run(run, env, one_core, log)
+    res["demo"]["auto again"] = _run(run, env, one_core, log)
+    res["demo"]["ar"] = _run(run + ["--mode", "ar"], env, one_core, log)
+    for n, m, k in FIXED:
+        res["demo"][f"treeflash N={n} M={m} K={k}"] = _run(
+            run + ["--mode", "treeflash", "--tree-size", str(n), "--top-m", str(m), "--top-k", str(k)], env, one_core,
+            log)
+    bench = [_bin("treeflash-bench"), "--max-new-tokens", str(max_new_tokens), "--json"]
+    res["heldout"] = {}
+    for domain in ("chat-self", "code", "chat-stdlib") if heldout else ():
+        log(f"held-out {domain}")
+        res["heldout"][domain] = _run(bench + ["--heldout-prompts", str(heldout), "--heldout-domain", domain,
+                                               "--modes", "auto,treeflash", "--tree-sizes", "8", "--top-m", "2",
+                                               "--top-k", "4"], env, one_core, log)
+    if slots:
+        log("request slots")
+        res["slots"] = _run(bench[:1] + ["--concurrency", "1,8", "--requests", "16", "--max-new-tokens", "32",
+                                          "--modes", "auto,treeflash", "--tree-sizes", "8", "--top-m", "2",
+                                          "--top-k", "4", "--tree-size-by-batch", TABLES, "--json"], env, one_core, log)
+    (out / "protocol.json").write_text(json.dumps(res, indent=1))
+    click.echo(summary(res))
+
+
+def summary(res: dict) -> str:
+    lines = [f"profile: {'one core, one thread' if res['one_core'] else 'as is'}; {res['max_new_tokens']} new tokens"]
+    demo = res["demo"]
+    plain = demo["ar"]["tokens_per_s"]
+    best_name = max((k for k in demo if k.startswith(("ar", "treeflash"))), key=lambda k: demo[k]["tokens_per_s"])
+    best = demo[best_name]["tokens_per_s"]
+    lines.append(f"demo prompt: plain {plain:.1f} tok/s; best fixed {best_name} {best:.1f} tok/s ({best / plain:.2f}x)")
+    for k in ("auto first contact", "auto again"):
+        t = demo[k]["tokens_per_s"]
+        used = sorted(demo[k]["tuning"]["settings_used"].items(), key=lambda kv: -kv[1])[:3]
+        lines.append(f"  {k}: {t:.1f} tok/s = {t / plain:.2f}x plain, {t / best:.2f}x the best; rounds {used}")
+    for k, v in demo.items():
+        if k.startswith("treeflash"):
+            lines.append(f"  {k}: {v['tokens_per_s']:.1f} tok/s ({v['tokens_per_s'] / plain:.2f}x)")
+    for domain, rep in res.get("heldout", {}).items():
+        rows = {r["setting"]: r for r in rep["rows"]}
+        a = rows["auto"]
+        fixed = next(r for s, r in rows.items() if s.startswith("treeflash"))
+        lines.append(f"held-out {domain}: auto {a['speedup_vs_ar']:.2f}x plain (worst prompt {a['worst_prompt_vs_ar']:.2f}x), "
+                     f"{fixed['setting']} {fixed['speedup_vs_ar']:.2f}x (worst {fixed['worst_prompt_vs_ar']:.2f}x); "
+                     f"outputs identical {rep['identical_outputs']}")
+    if "slots" in res:
+        for r in res["slots"]["rows"]:
+            lines.append(f"slots {r.get('variant', ''):<24} c={r['concurrency']}: {r['tokens_per_s']:.1f} tok/s, "
+                         f"{r.get('ratio_to_ar') or 1.0:.2f}x plain")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
