@@ -81,6 +81,7 @@ def generate(
     stats = GenerationStats(mode=tree.mode, backend=runner.name, prompt_tokens=len(prompt))
     request = Request(prompt, sampling, on_tokens=on_tokens)
     engine = Engine(runner, policy, max_active=1)
+    engine.check(request)  # a request refused by a cheap check never waits for a tuner's measurement
     engine.prepare()  # a tuner's first measurement, before the generation's clock starts
     t0 = time.perf_counter()
     engine.run([request])

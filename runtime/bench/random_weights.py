@@ -85,11 +85,7 @@ def _stage_times(runner, tree: TreeConfig, count: int, log) -> tuple[dict[str, f
             return runner.stage_times(plan, count), "in the CUDA graph"
         except RuntimeError as exc:  # keep the row: the eager breakdown still says where time goes
             log(f"  stage times in the graph failed ({str(exc).splitlines()[0]}); timing them eagerly")
-    graphs, runner.use_graphs = runner.use_graphs, False
-    try:
-        return runner.stage_times(plan, count), "eager, synchronised"
-    finally:
-        runner.use_graphs = graphs
+    return runner.stage_times(plan, count, in_graph=False), "eager, synchronised"
 
 
 def _time_setting(runner, prompt, tree: TreeConfig, rounds: int, warmup: int, stages: bool,

@@ -242,8 +242,9 @@ class Rule:
 
     def new_request(self, b: int) -> None:
         """A request starts alone: earlier requests' gains weigh at most NEW_REQUEST_CAP rounds."""
-        for st in self.bucket(b).gain.values():
-            st.cap(NEW_REQUEST_CAP)
+        if b in self.buckets:  # (a bucket not started has nothing to weigh, and its prior is not timed here)
+            for st in self.buckets[b].gain.values():
+                st.cap(NEW_REQUEST_CAP)
 
     def best(self, b: int) -> Estimate:
         return max((self.estimate(b, s) for s in self.arms), key=lambda e: (e.lower, -e.ms))

@@ -97,7 +97,7 @@ def test_hindsight_gives_each_smaller_tree_of_the_family_its_exact_gain():
     accepted = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0] + [0.0] * 9
     got = hindsight(TREES[2], accepted, ARMS + [Setting("marginal", 4, 1, K)])
     assert got == {TREES[0]: 3.0, TREES[1]: 4.0, TREES[2]: 4.0}
-    assert family(TREES[0]) == family(TREES[4]) != family(Setting("treeflash", 8, 2, K)) != family(CHAIN)
+    assert family(TREES[0]) == family(TREES[4]) != family(Setting("treeflash", 8, M + 1, K)) != family(CHAIN)
 
 
 def test_candidates_are_one_family_per_mode_and_explicit_values_win():

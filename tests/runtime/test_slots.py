@@ -376,8 +376,8 @@ def test_random_weights_bench_times_rounds_by_batch_size():
 @pytest.mark.parametrize("mode", ["treeflash", "marginal"])
 def test_the_expansion_stops_at_the_deepest_node_a_tree_can_hold(load, mode):
     """A tree of n nodes (the root among them) is at most n - 1 deep, so a round expands only the
-    drafter's first n block positions (a reported larger tree: as many as it holds): the trees built
-    from those tables equal the trees built from the whole block's, node for node, in both slots."""
+    drafter's first n block positions: the trees built from those tables equal the trees built from the
+    whole block's, node for node, in both slots, and so do the smaller trees of the same tables."""
     from treeflash_runtime.backends.pytorch import TorchRunner, expansion_depth
     from treeflash_runtime.backends.pytorch.stages import _fields
 
@@ -392,20 +392,19 @@ def test_the_expansion_stops_at_the_deepest_node_a_tree_can_hold(load, mode):
         z = runner.stages.draft(2, 0)
         root = runner.state.root[:2]
         checked = 0
-        for n in (2, 3, B // 2, B - 1):
-            for reported in (0, min(2 * n, B)):
-                tree = TreeConfig(mode=mode, tree_size=n, top_m=3, top_k=3)
-                depth = expansion_depth(tree, reported, B)
-                assert depth == min(B, max(n, reported))
-                full = runner.stages.expand(2, root, z, tree)
-                cut = runner.stages.expand(2, root, z[:, :depth], tree)
-                assert cut.tokens.shape[1] == depth - 1  # one row per depth
-                for size in {n, max(n, reported)}:
-                    build = runner.stages.build_tree
-                    want, got = _fields(build(full, root, size)), _fields(build(cut, root, size))
-                    for a, b in zip(want, got):
-                        assert torch.equal(a, b), (n, reported, size)
-                    checked += 1
+        for n in (2, 3, B // 2, B - 1, B + 4):
+            tree = TreeConfig(mode=mode, tree_size=n, top_m=3, top_k=3)
+            depth = expansion_depth(tree, B)
+            assert depth == min(B, n)
+            full = runner.stages.expand(2, root, z, tree)
+            cut = runner.stages.expand(2, root, z[:, :depth], tree)
+            assert cut.tokens.shape[1] == depth - 1  # one row per depth
+            for size in sorted({2, n // 2, n} - {0, 1}):
+                build = runner.stages.build_tree
+                want, got = _fields(build(full, root, size)), _fields(build(cut, root, size))
+                for a, b in zip(want, got):
+                    assert torch.equal(a, b), (n, size)
+                checked += 1
         assert checked >= 8
 
 

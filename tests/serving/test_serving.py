@@ -291,8 +291,10 @@ def test_service_stop_word_returns_the_tokens_up_to_it(service, reference):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-        def round(self):
-            return sum((self.inner.round() for _ in range(4)), [])
+        def step(self, plan):
+            reports = [self.inner.step(plan) for _ in range(4)]
+            return dataclasses.replace(reports[-1], gained=[sum((r.gained[i] for r in reports), [])
+                                                            for i in range(len(reports[0].gained))])
 
     from treeflash_runtime.serving.service import Service
 
@@ -711,7 +713,7 @@ def test_the_batched_service_tunes_within_the_artifacts_tree(artifact, tmp_path,
     tuned = BatchedService.from_artifact(artifact.root, device="cpu", max_batch=3, tune=True)
     fixed = BatchedService.from_artifact(artifact.root, device="cpu", max_batch=3)
     assert tuned.session.tuner is not None and fixed.session.tuner is None
-    assert max(s.tree_size for s in tuned.session.tuner.auto.candidates) <= artifact.tree.tree_size
+    assert max(s.tree_size for s in tuned.session.tuner.rule.arms) <= artifact.tree.tree_size
     tok = tuned.session.tokenizer
     prompts = [tok(p)["input_ids"] for p in LOAD_PROMPTS[:5]]
     want = []

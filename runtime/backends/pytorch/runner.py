@@ -338,15 +338,16 @@ class TorchRunner(Runner):
         """A CostProbe over slots 0..b-1 (pytorch.probe.probing)."""
         return _probe.probing(self, b, prompt_tokens)
 
-    def stage_times(self, plan: RoundPlan, count: int) -> dict[str, float]:
+    def stage_times(self, plan: RoundPlan, count: int, in_graph: bool | None = None) -> dict[str, float]:
         """Milliseconds per stage of ``plan``'s round over the occupied slots, ``count`` rounds from the
         current state (restored before each, so the committed lengths stay put): eagerly and
-        synchronised, or on CUDA with graphs a separate capture with timing events between stages."""
+        synchronised, or (in_graph; default: where graphs are on) a separate capture with timing
+        events between the stages."""
         st = self.state
         b = self.bucket_for(self.occupied)
         kind = max(self.slots.host_kind[: self.occupied])
         totals: dict[str, float] = {}
-        marks: list | None = [] if self.use_graphs else None
+        marks: list | None = [] if (self.use_graphs if in_graph is None else in_graph) else None
         with kept(st.past_len, st.root, st.pending, st.pending_count, st.out, after=self.forget_pending_bound) as restore:
             with _probe.stage_timer(self.stages, totals, self.sync, marks):
                 run = lambda: self.stages.run(b, plan.tree, kind)  # noqa: E731
