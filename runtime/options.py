@@ -51,8 +51,8 @@ _OPTIONS = [
     click.option("--top-k", type=AutoOrInt(), default=None,
                  help=f"Children per parent row.{_AUTO_HELP} {_DEFAULT}"),
     click.option("--retune", is_flag=True,
-                 help="With auto tree settings: measure the round's costs again instead of reading them from the "
-                      "cache (TREEFLASH_CACHE/costs), and start the acceptance model afresh."),
+                 help="With auto tree settings: time each candidate's round again and forget what earlier runs "
+                      "measured (kept under TREEFLASH_CACHE/tuner)."),
     click.option("--draft-vocab", type=AutoOrInt(), default="auto", show_default=True,
                  help="torch backend: how many tokens the drafter ranks, most frequent in its training data first "
                       "(the drafter folder's draft-vocab.json, written by `treeflash-export train`): fewer LM-head rows "
