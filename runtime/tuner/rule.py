@@ -1,6 +1,7 @@
 """The self-tuning tree's rule: decide from measured throughput, predict only to order exploration.
 
-Per batch bucket, each candidate setting (an arm) has two running estimates:
+Per batch bucket, each candidate setting (an arm) has two running estimates (the tokens shared by the
+buckets: they are the requests' and the drafter's, not the batch's):
 - its round time, from the wall time of its own real rounds (everything the runner does in a round,
   read-back included); until it has run, the prior (a full round timed on a dummy prompt, see
   prior.py) scaled by how far the prior was off for the arms that did run;
@@ -129,10 +130,14 @@ class Rule:
         self.prior_ms, self.block_size = prior_ms, block_size
         self.explore_share, self.discount, self.z = explore_share, discount, z
         self.buckets: dict[int, Bucket] = {}
+        self.gain: dict[Setting, Stat] = {}  # tokens per round per slot, shared by the buckets
 
     def bucket(self, b: int) -> Bucket:
+        """Bucket b's estimates. Round times are the bucket's own; tokens per round per slot are one
+        estimate for all buckets (they are the requests' and the drafter's, not the batch's), so a
+        larger bucket starts from what the smaller ones learnt."""
         if b not in self.buckets:
-            self.buckets[b] = Bucket(prior_ms=dict(self.prior_ms(b)))
+            self.buckets[b] = Bucket(prior_ms=dict(self.prior_ms(b)), gain=self.gain)
         return self.buckets[b]
 
     # ------------------------------------------------------------------ estimates
@@ -242,9 +247,8 @@ class Rule:
 
     def new_request(self, b: int) -> None:
         """A request starts alone: earlier requests' gains weigh at most NEW_REQUEST_CAP rounds."""
-        if b in self.buckets:  # (a bucket not started has nothing to weigh, and its prior is not timed here)
-            for st in self.buckets[b].gain.values():
-                st.cap(NEW_REQUEST_CAP)
+        for st in self.gain.values():
+            st.cap(NEW_REQUEST_CAP)
 
     def best(self, b: int) -> Estimate:
         return max((self.estimate(b, s) for s in self.arms), key=lambda e: (e.lower, -e.ms))

@@ -230,3 +230,14 @@ def test_where_no_tree_pays_the_rule_keeps_plain_decodings_speed(machine):
             got += rate
             plain += by_arm[PLAIN]
     assert got >= 0.97 * plain, (got / plain)
+
+
+def test_tokens_per_round_are_shared_by_the_buckets_and_times_are_not():
+    """What a round gains per slot is the requests' and the drafter's: a larger bucket starts from what
+    bucket 1 learnt; its round times are its own (its prior until its rounds run)."""
+    prior = {PLAIN: 10.0, CHAIN: 20.0, **{t: 15.0 for t in TREES}}
+    rule = rule_with(prior)
+    feed(rule, TREES[1], 14.0, {TREES[0]: 2.5, TREES[1]: 3.0}, times=5)
+    e = rule.estimate(4, TREES[1])
+    assert e.seen and e.gain == pytest.approx(3.0) and not e.measured and e.ms == pytest.approx(15.0)
+    assert rule.estimate(1, TREES[1]).measured
