@@ -23,21 +23,22 @@ OBS_NODES = 64  # the largest tree whose nodes a round reports to the self-tunin
 
 @dataclass
 class RoundState:
-    """What a round reads and writes. M slots; S' = per-slot cache slots (capacity + spare).
+    """What a round reads and writes. Q = max_batch request slots (M stays the tree's parents per
+    position); S' = per-slot cache slots (capacity + spare).
 
-    kv        [L, 2, Hkv, M * S', D]   verifier caches, slot m's at m * S'; slots < past_len are committed
-    draft_kv  [Ld, 2, Hkv, M * S', D]  drafter context caches; slots < past_len - pending_count are filled
-    past_len  [M] int64   committed tokens
-    root      [M] int64   the last emitted token: node 0 of the next tree, at position past_len
-    pending   [M, R, F]   verifier features of the tokens the last round committed, still to enter
+    kv        [L, 2, Hkv, Q * S', D]   verifier caches, slot q's at q * S'; slots < past_len are committed
+    draft_kv  [Ld, 2, Hkv, Q * S', D]  drafter context caches; slots < past_len - pending_count are filled
+    past_len  [Q] int64   committed tokens
+    root      [Q] int64   the last emitted token: node 0 of the next tree, at position past_len
+    pending   [Q, R, F]   verifier features of the tokens the last round committed, still to enter
                           the drafter's cache (positions past_len - pending_count ..); R = B, or
                           PREFILL_CHUNK eagerly on the CPU (plain steps append to it, see
                           RoundStages.keep_context; with CUDA graphs until the B rows are full)
-    pending_count [M] int64
-    out       [M, B + 1] int64  out[m, 0] = tokens gained by slot m in the last call, then the tokens
-    active    [M] bool    the round advances this slot (False: idle, or still being prefilled)
-    temperature, top_p [M] float32; seed [M] int64: the slot's request's sampling
-    obs_score [M, OBS] float32, obs_rank [M, 2, OBS] int64, obs_accepted [M, OBS] bool: when a round
+    pending_count [Q] int64
+    out       [Q, B + 1] int64  out[q, 0] = tokens gained by slot q in the last call, then the tokens
+    active    [Q] bool    the round advances this slot (False: idle, or still being prefilled)
+    temperature, top_p [Q] float32; seed [Q] int64: the slot's request's sampling
+    obs_score [Q, OBS] float32, obs_rank [Q, 2, OBS] int64, obs_accepted [Q, OBS] bool: when a round
               reports its nodes, their path scores, largest parent row and child rank on the path
               (treeflash_export.tree.node_paths), and whether accepted (tree order)
     A round accepts at most min(N, B) nodes per slot, the rows of pending and out it uses.
@@ -77,30 +78,30 @@ class SlotState:
         self.host_kind = [GREEDY] * max_batch
         self.pending_bound: int | None = 0
         self.slot_rows = torch.arange(max_batch, device=device)
-        v, M, S = verifier, max_batch, self.slot_size
-        shapes = {"verifier cache": (v.num_layers, 2, v.num_kv_heads, M * S, v.head_dim)}
+        v, Q, S = verifier, max_batch, self.slot_size
+        shapes = {"verifier cache": (v.num_layers, 2, v.num_kv_heads, Q * S, v.head_dim)}
         if drafter is not None:
             c = drafter.cfg
-            shapes["drafter cache"] = (c.num_layers, 2, c.num_kv_heads, M * S, c.head_dim)
+            shapes["drafter cache"] = (c.num_layers, 2, c.num_kv_heads, Q * S, c.head_dim)
         feat = len(v.tap_layer_ids) * v.hidden_size
         # The captured rounds share one memory pool, which holds about the largest round's
-        # temporaries: logits [M, N, V] and the layers' activations over M x N rows.
-        rows = M * max(workspace_rows, block_size, PREFILL_CHUNK)
+        # temporaries: logits [Q, N, V] and the layers' activations over Q x N rows.
+        rows = Q * max(workspace_rows, block_size, PREFILL_CHUNK)
         elem = torch.empty((), dtype=dtype).element_size()
         work = {"graph workspace": rows * (v.vocab_size + 8 * max(v.hidden_size, feat)) * elem if graphs else 0}
-        caches = allocate_caches(shapes, dtype, device, capacity, slots=M if M > 1 else 0, extra=work)
-        zeros = torch.zeros(M, dtype=torch.long, device=device)
+        caches = allocate_caches(shapes, dtype, device, capacity, slots=Q if Q > 1 else 0, extra=work)
+        zeros = torch.zeros(Q, dtype=torch.long, device=device)
         pending_rows = max(block_size, PREFILL_CHUNK) if lazy_context else block_size
         self.state = RoundState(
             kv=caches["verifier cache"], draft_kv=caches.get("drafter cache"), past_len=zeros.clone(),
-            root=zeros.clone(), pending=torch.zeros(M, pending_rows, feat, dtype=dtype, device=device),
-            pending_count=zeros.clone(), out=torch.zeros(M, block_size + 1, dtype=torch.long, device=device),
-            active=torch.zeros(M, dtype=torch.bool, device=device),
-            temperature=torch.zeros(M, dtype=torch.float32, device=device),
-            top_p=torch.ones(M, dtype=torch.float32, device=device), seed=zeros.clone(),
-            obs_score=torch.zeros(M, OBS_NODES, dtype=torch.float32, device=device),
-            obs_rank=torch.zeros(M, 2, OBS_NODES, dtype=torch.long, device=device),
-            obs_accepted=torch.zeros(M, OBS_NODES, dtype=torch.bool, device=device),
+            root=zeros.clone(), pending=torch.zeros(Q, pending_rows, feat, dtype=dtype, device=device),
+            pending_count=zeros.clone(), out=torch.zeros(Q, block_size + 1, dtype=torch.long, device=device),
+            active=torch.zeros(Q, dtype=torch.bool, device=device),
+            temperature=torch.zeros(Q, dtype=torch.float32, device=device),
+            top_p=torch.ones(Q, dtype=torch.float32, device=device), seed=zeros.clone(),
+            obs_score=torch.zeros(Q, OBS_NODES, dtype=torch.float32, device=device),
+            obs_rank=torch.zeros(Q, 2, OBS_NODES, dtype=torch.long, device=device),
+            obs_accepted=torch.zeros(Q, OBS_NODES, dtype=torch.bool, device=device),
         )
 
     def first(self, cache: torch.Tensor | None, b: int) -> torch.Tensor | None:
