@@ -20,6 +20,15 @@ from treeflash_runtime.tuner.online import runner_modes, tuner_key
 from treeflash_export.config import SamplingConfig, TreeConfig
 
 
+@pytest.fixture(autouse=True)
+def steady_machine(monkeypatch):
+    """The suite shares the CPU with whatever else runs: the prior's check that the machine kept its
+    speed while timing (tested with a fake probe in test_tuner.py) would make these tests depend on it."""
+    import treeflash_runtime.tuner.prior as prior
+
+    monkeypatch.setattr(prior, "STEADY_DRIFT", float("inf"))
+
+
 def costs(ar: float, tree: float):
     """A prior by hand: a plain step of `ar` ms, and every tree's round `tree` ms."""
     return lambda s: ar if s == PLAIN else tree
@@ -103,11 +112,7 @@ def test_falls_back_to_plain_decoding_when_drafting_cannot_pay(load, pair_dirs, 
 
 def test_the_prior_is_timed_once_then_read_back(load, pair_dirs, tmp_path, monkeypatch):
     """No prior kept: the first engine start times plain decoding and every candidate's whole round on
-    the runner (one line each), keeps it, and the next tuner for the same pair reads it. (The check
-    that the machine kept its speed while timing is off here: the suite shares the CPU.)"""
-    import treeflash_runtime.tuner.prior as prior
-
-    monkeypatch.setattr(prior, "STEADY_DRIFT", float("inf"))
+    the runner (one line each), keeps it, and the next tuner for the same pair reads it."""
     pair = load("qwen3")
     runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
     lines: list[str] = []
