@@ -85,6 +85,7 @@ class TreeTuner:
         self.used: Counter = Counter()  # rounds per Setting
         self.tokens: Counter = Counter()  # tokens gained per Setting
         self.resumed = False
+        self._said = False  # whether the first engine start said where the tuner starts from
         self._priors: dict[int, dict] = {}  # bucket -> the prior as measured (kept unless unsteady)
         self._keep_prior = True
         self._configs: dict[Setting, TreeConfig] = {}
@@ -157,9 +158,7 @@ class TreeTuner:
             self.rule.buckets.clear()
             self._priors = {}
             return
-        self.resumed = True
-        if self.log:
-            self.log("tuning: starting from what earlier runs with this pair on this machine measured")
+        self.resumed = True  # said at the first engine start (a request refused before then hears nothing of it)
 
     def save(self, force: bool = False) -> None:
         """Keeps what was measured for the next process (atomic; a failure only logs): at most every
@@ -188,6 +187,9 @@ class TreeTuner:
     def start(self) -> None:
         """Before an engine admits anything: bucket 1's prior is timed now (the probe takes a slot, so
         never while requests hold one); other buckets start from it and learn from their rounds."""
+        if self.resumed and self.log and not self._said:
+            self.log("tuning: starting from what earlier runs with this pair on this machine measured")
+        self._said = True
         self.rule.bucket(1)
 
     def close(self) -> None:
