@@ -215,9 +215,6 @@ class TorchRunner(Runner):
 
     # ------------------------------------------------------------------ the round
 
-    def bucket_for(self, occupied: int) -> int:
-        return next(b for b in self.buckets if b >= occupied)
-
     @torch.inference_mode()
     def step(self, plan: RoundPlan) -> RoundReport:
         """One round of ``plan`` over the occupied slots (run as their bucket)."""
