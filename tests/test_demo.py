@@ -75,3 +75,38 @@ def test_treeflash_run_default_pair_offline(monkeypatch):
     assert out["new_tokens"] >= 1 and out["mean_accepted"] >= 1.0 and out["text"].strip()
     r = CliRunner().invoke(main, ["--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "12"])
     assert r.exit_code == 0 and "tokens/round" in r.stderr
+
+
+def test_a_large_trees_round_tells_what_the_smaller_trees_of_its_family_gain_in_their_own_rounds(demo, heldout):
+    """The self-tuning tree's hindsight on real rounds of the trained pair: from one state, a round of
+    the 32-node tree tells the gain of each smaller tree of its family (same M and K), and each of
+    those trees, run from that state, gains exactly that."""
+    import torch
+
+    from treeflash_runtime.backends.pytorch import TorchRunner
+    from treeflash_runtime.plan import RoundPlan
+    from treeflash_runtime.tuner.online import best_first
+    from treeflash_runtime.tuner.rule import hindsight
+    from treeflash_runtime.tuner.setting import FAMILY, Setting
+
+    runner = TorchRunner(demo.verifier, demo.drafter, capacity=256)
+    m, k = FAMILY["treeflash"]
+    trees = [Setting("treeflash", n, m, k) for n in (4, 8, 16, 32)]
+
+    def round_of(s: Setting, prefix: list[int]):
+        tree = TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k).resolved(
+            runner.block_size)
+        runner.begin(torch.tensor(prefix), tree, SamplingConfig())
+        return runner.step(RoundPlan(tree=tree, report_nodes=True))
+
+    gains = []
+    for ids in heldout:
+        want = hf_greedy(demo.verifier, ids, 12)
+        for start in (0, 4, 8):
+            prefix = ids + want[:start]
+            told = hindsight(trees[-1], best_first(round_of(trees[-1], prefix).nodes[0]), trees)
+            assert set(told) == set(trees)
+            for s, g in told.items():
+                assert len(round_of(s, prefix).gained[0]) == g, (start, s, g)
+                gains.append(g)
+    assert len(gains) == 24 and len(set(gains)) >= 2  # trees that gained differently among them

@@ -1,7 +1,8 @@
 """The self-tuning tree: which tree settings pay on the machine at hand, per batch bucket, decided from
 the throughput real rounds measure. It holds no tensors of the round and imports no backend.
 
-- setting: `Setting` and the bounded candidate set (plain decoding, the chain, one family per tree mode).
+- setting: `Setting` and the bounded candidate set (plain decoding, and per tree mode one family of
+           sizes).
 - rule:    the pure policy (`Rule.decide` / `Rule.learn`): confidence bounds on tokens per second,
            exploration within a share of the time, hindsight gains of a family's smaller trees.
 - prior:   each candidate's round time timed once through the runner's cost probe (orders exploration).

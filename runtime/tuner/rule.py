@@ -2,18 +2,20 @@
 
 Per batch bucket, each candidate setting (an arm) has two running estimates (the tokens shared by the
 buckets: they are the requests' and the drafter's, not the batch's):
-- its round time, from the wall time of its own real rounds (everything the runner does in a round,
-  read-back included); until it has run, the prior (a full round timed on a dummy prompt, see
-  prior.py) scaled by how far the prior was off for the arms that did run;
+- its round time: the prior (a full round timed on a dummy prompt, see prior.py) at the machine's
+  speed now (what every real round, of any arm, says of the prior: the machine may slow down or
+  speed up between and within processes, and every arm with it), times the arm's own residual (how
+  its own real rounds, everything in them, read-back included, differ from the prior beyond that);
 - its tokens per round (per slot), from its own rounds and, exactly, in hindsight from larger trees
   of its family (same mode, M and K: best-first trees are prefix-closed, so a smaller tree's accepted
-  path is the part of the larger one's it contains); until then an optimistic guess.
+  path is the part of the larger one's it contains); until then an optimistic guess, never below
+  what the smaller trees of its family gained.
 Plain decoding gains exactly one token a round, so its rate is known once its time is.
 
 One rule: run the arm with the highest lower confidence bound on tokens per second; while other arms'
 upper bounds beat it, explore the one cheapest to try (least expected loss) as long as exploration
-has lost less
-than ``explore_share`` of the bucket's recent time (plus a small credit at first contact). An exploration
+has lost less than ``explore_share`` of the bucket's recent time (plus a small credit at first
+contact). An exploration
 round loses the time it took beyond what the best arm would have taken for the tokens it gained:
 trying a tree that costs little more than the choice costs little. Plain decoding's time is measured
 first (its gain is known, so its rate is once its time is). Every estimate is discounted by
@@ -33,12 +35,16 @@ Z = 1.0  # upper confidence bounds at one standard error
 LOWER_Z = 0.5  # lower ones at half of that (the choice follows a well-supported mean, not the worst case)
 EXPLORE_SHARE = 0.015  # the share of a bucket's time exploration may lose
 CREDIT_PLAIN_STEPS = 1.25  # exploration's credit at first contact, in plain steps
-DISCOUNT = 0.98  # per round: the time estimates follow about the last 50 rounds
+DISCOUNT = 0.98  # per round: the arms' residual times follow about the last 50 rounds
+SPEED_DISCOUNT = 0.9  # ... and the machine's speed about the last 10 (another job starts or stops)
 GAIN_PACE = 2.0  # ... and the gains about the last 25 (the discount squared)
-PRIOR_SPREAD = 0.2  # relative standard error of a round time not yet measured (the prior's)
+PRIOR_SPREAD = 0.2  # relative standard error of a round time not yet measured (the prior's) ...
+FITTED_SPREAD = 0.1  # ... once two rounds have told the machine's speed
 TIME_FLOOR = 0.05  # relative standard deviation a round time is assumed to have at least
-GAIN_FLOOR = 0.5  # tokens: the standard deviation a tree's gain is assumed to have at least
-STALE = 4.0  # plain decoding's time, weighing fewer rounds than this, is measured again first when it may win
+GAIN_FLOOR = 0.25  # tokens: the standard deviation a tree's gain is assumed to have at least
+GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens more per doubling of N
+SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
+            # standard error grows as they age: an arm not run lately is explored again)
 BURST = 1.5  # a round time counts for at most this many times the arm's mean
 LOAD_CAP = 8.0  # a persisted estimate weighs at most this many rounds: new rounds override it fast
 NEW_REQUEST_CAP = 4.0  # gains of earlier requests weigh at most this many rounds when a request starts alone
@@ -95,6 +101,7 @@ class Estimate:
     upper: float
     measured: bool  # its round time comes from its own rounds
     seen: bool = True  # its gain comes from rounds (its own or, in hindsight, a larger tree's)
+    sure: float = 1.0  # tokens per round it gains at least (the most a tree it covers gained)
 
     def to_json(self) -> dict:
         s = self.setting
@@ -108,9 +115,12 @@ class Bucket:
     """One batch bucket's estimates and time accounts."""
 
     prior_ms: dict[Setting, float]
-    time: dict[Setting, Stat] = field(default_factory=dict)
+    # Round times: log(measured / prior) = the machine's speed now + the arm's own residual. The speed
+    # is every timed round's, so that an arm not run lately follows the machine (another job, a CPU
+    # of another kind); the residuals say where the prior was off for one arm against the others.
+    speed: Stat = field(default_factory=Stat)
+    resid: dict[Setting, Stat] = field(default_factory=dict)
     gain: dict[Setting, Stat] = field(default_factory=dict)
-    bias: Stat = field(default_factory=Stat)  # log(measured / prior round time), over the arms that ran
     total_ms: float = 0.0  # time of all rounds
     explore_ms: float = 0.0  # ... of exploration rounds
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
@@ -147,72 +157,95 @@ class Rule:
         bonus token; an arm never seen is bounded below by that alone), over its round time give or
         take z standard errors."""
         k = self.bucket(b)
-        gain, gain_se, seen = self._gain(k, s)
-        t = k.time.get(s)
-        if t is not None and t.n >= 0.5:
-            ms, ms_se, measured = t.mean, t.se(TIME_FLOOR * t.mean), True
-        else:
-            ms = k.prior_ms[s] * math.exp(k.bias.mean if k.bias.n else 0.0)
-            ms_se, measured = PRIOR_SPREAD * ms, False
+        gain, gain_se, seen, sure = self._gain(k, s)
+        ms, rel_se, measured = self._time(k, s)
+        ms_se = rel_se * ms
         most = 1.0 if s.mode == "ar" else float(min(s.tree_size, self.block_size))
         zl, zu = self.z * LOWER_Z, self.z
-        lo = max(1.0, gain - zl * gain_se) if seen else 1.0
+        lo = max(sure, gain - zl * gain_se) if seen else sure
         hi = min(most, gain + zu * gain_se) if seen else most  # never run: it may gain all it can
         fast, slow = max(ms - zu * ms_se, 1e-6), ms + zl * ms_se
-        return Estimate(s, gain, ms, 1000.0 * gain / ms, 1000.0 * lo / slow, 1000.0 * hi / fast, measured, seen)
+        return Estimate(s, gain, ms, 1000.0 * gain / ms, 1000.0 * lo / slow, 1000.0 * hi / fast, measured, seen,
+                        sure)
 
-    def _gain(self, k: Bucket, s: Setting) -> tuple[float, float, bool]:
-        """Tokens per round, its standard error, and whether rounds told it. Unseen trees: an optimistic
-        guess, from the largest tree of the family seen (half its extra tokens again per doubling of
-        the size), else half the most a round can gain, with an error as large as half of it."""
+    def _time(self, k: Bucket, s: Setting) -> tuple[float, float, bool]:
+        """Milliseconds per round, its relative standard error, and whether the arm's own rounds told
+        it: the prior at the machine's speed now, times the arm's residual (shrunk towards none while
+        it rests on few rounds)."""
+        r = k.resid.get(s)
+        measured = r is not None and r.n >= 0.5
+        log_ms = math.log(k.prior_ms[s]) + (k.speed.mean if k.speed.n else 0.0)
+        if measured:
+            log_ms += r.mean * r.n / (r.n + 1.0)
+            return math.exp(log_ms), r.se(TIME_FLOOR), True
+        return math.exp(log_ms), PRIOR_SPREAD if k.speed.n < 2 else FITTED_SPREAD, False
+
+    def _gain(self, k: Bucket, s: Setting) -> tuple[float, float, bool, float]:
+        """Tokens per round, its standard error, whether rounds told it, and what it gains at least
+        (the most any tree it covers gained: a round of it would hold theirs). Unseen trees: an
+        optimistic guess from the nearest tree of its mode seen (GROWTH of its extra tokens more per
+        doubling of the size), else half the most a round can gain, with an error of half its extra
+        tokens (and GAIN_FLOOR)."""
         if s.mode == "ar":
-            return 1.0, 0.0, True
+            return 1.0, 0.0, True, 1.0
+        seen = {o: st.mean for o, st in k.gain.items() if st.n >= SEEN and o.mode == s.mode}
+        sure = max([1.0] + [g for o, g in seen.items() if o != s and covers(s, o)])
         g = k.gain.get(s)
-        if g is not None and g.n >= 0.5:  # a few rounds say little: gains spread about as far as they reach
-            return g.mean, g.se(GAIN_FLOOR + 0.5 * (g.mean - 1.0)), True
+        if g is not None and g.n >= SEEN:  # a few rounds say little: gains spread about as far as they reach
+            return max(g.mean, sure), g.se(GAIN_FLOOR + 0.5 * (g.mean - 1.0)), True, sure
         most = float(min(s.tree_size, self.block_size))
-        seen = [(o.tree_size, st.mean) for o, st in k.gain.items() if family(o) == family(s) and st.n >= 0.5]
-        if seen:
-            n, mean = max(seen)
-            guess = mean + 0.5 * (mean - 1.0) * math.log2(max(s.tree_size / n, 1.0))
+        if seen:  # the nearest tree of its mode that rounds told of (in size; ties: the one that gained more)
+            o, mean = min(seen.items(), key=lambda p: (abs(math.log2(s.tree_size / p[0].tree_size)), -p[1]))
+            guess = mean + GROWTH * (mean - 1.0) * math.log2(max(s.tree_size / o.tree_size, 1.0))
         else:
             guess = 1.0 + 0.5 * (most - 1.0)
-        guess = min(max(guess, 1.0), most)
-        return guess, 0.5 * guess, False
+        guess = min(max(guess, sure), most)
+        return guess, GAIN_FLOOR + 0.5 * (guess - 1.0), False, sure
 
     # ------------------------------------------------------------------ the rule
 
     def decide(self, b: int) -> tuple[Setting, bool]:
         """(the setting of bucket b's next round, whether it is an exploration round)."""
         est = {s: self.estimate(b, s) for s in self.arms}
-        best = max(est.values(), key=lambda e: (e.lower, -e.ms))
+        best = self._choice(est)
         k = self.bucket(b)
         plain = est.get(PLAIN)
         if plain is not None and not plain.measured and best.setting != PLAIN:
             # The reference first: its rate is known once its time is, and its rounds are the cheapest.
             return PLAIN, True
-        hopeful = [e for e in est.values() if e.setting != best.setting and e.upper > best.lower]
+        hopeful = [e for e in est.values() if e.setting != best.setting and e.upper > best.rate]
         if not hopeful:
             return best.setting, False
-        if plain in hopeful and k.time[PLAIN].n < STALE:
-            return PLAIN, True  # the reference again, before its time is forgotten
 
-        def loss(e):  # what a round of it is expected to lose against the choice, in ms
-            return e.ms - 1000.0 * e.gain / best.rate if best.rate > 0 else e.ms
+        def loss(e):  # what a round of it is expected to lose against the choice, in ms (an arm not seen:
+            # what it would surely lose: its guess is optimistic, the trees it covers gain at least)
+            gain = e.gain if e.seen else e.sure
+            return e.ms - 1000.0 * gain / best.rate if best.rate > 0 else e.ms
 
         cheapest = min(hopeful, key=lambda e: (loss(e), -e.upper))
-        # The credit lets first contact explore; it fades as the losses it paid for do. An arm
-        # whose rounds say it loses nothing (its mean as good as the choice's) is tried whatever the account.
+        # The credit lets first contact explore; it fades as the losses it paid for do. An arm whose
+        # rounds say it loses nothing (its mean as good as the choice's: a tree not yet shown to beat
+        # plain decoding) is tried whatever the account.
         credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
         if (cheapest.seen and loss(cheapest) <= 0.0) or k.lost_ms <= self.explore_share * k.recent_ms + credit:
             return cheapest.setting, True
         return best.setting, False
 
+    @staticmethod
+    def _choice(est: dict[Setting, Estimate]) -> Estimate:
+        """The arm with the best mean rate among those rounds told of, where a tree counts only once
+        its lower bound beats plain decoding's rate (when plain decoding is a candidate): the choice
+        follows the means (covered trees share their rounds, so their differences are known better
+        than their bounds say) and leaves plain decoding only on evidence."""
+        plain = est.get(PLAIN)
+        ok = [e for e in est.values() if e.seen and (plain is None or e is plain or e.lower >= plain.rate)]
+        return max(ok or est.values(), key=lambda e: (e.rate, -e.ms))
+
     def learn(self, b: int, ran: Setting, ms: float | None, gains: dict[Setting, float], explored: bool,
               wall_ms: float) -> None:
         """A round of ``ran`` at bucket b: ms, its time when it was a replay of the code that serves
         (None for a round that captured a graph or ran eagerly on a graph runner); gains: tokens per
-        slot for ``ran`` and, in hindsight, for the smaller trees of its family; wall_ms: what it took
+        slot for ``ran`` and, in hindsight, for the smaller trees it covers; wall_ms: what it took
         anyway (the exploration budget counts it)."""
         k = self.bucket(b)
         k.recent_ms *= self.discount
@@ -229,18 +262,21 @@ class Rule:
         k.total_ms += wall_ms
         k.recent_ms += wall_ms
         k.rounds += 1
-        for st in k.time.values():
+        for st in k.resid.values():
             st.decay(self.discount)
         for st in k.gain.values():  # what a request accepts changes faster than what a round costs
             st.decay(self.discount ** GAIN_PACE)
-        k.bias.decay(self.discount)
-        if ms is not None and ms > 0:
-            t = k.time.setdefault(ran, Stat())
-            # A burst (another job, a page fault) moves the mean by at most half of it again.
-            t.add(min(ms, BURST * t.mean) if t.n >= 1 else ms)
-            prior = k.prior_ms.get(ran)
-            if prior:
-                k.bias.add(math.log(ms / prior))
+        k.speed.decay(SPEED_DISCOUNT)
+        prior = k.prior_ms.get(ran)
+        if ms is not None and ms > 0 and prior:
+            # A burst (another job, a page fault) moves the estimates by at most half of it again.
+            usual = self._time(k, ran)[0]
+            x = math.log(min(ms, BURST * usual) / prior)
+            r = k.resid.setdefault(ran, Stat())
+            own = r.mean * r.n / (r.n + 1.0) if r.n else 0.0
+            speed = k.speed.mean if k.speed.n else x - own
+            k.speed.add(x - own)
+            r.add(x - speed)
         for s, g in gains.items():
             if s in self.arms and s.mode != "ar":
                 k.gain.setdefault(s, Stat()).add(g)
@@ -251,18 +287,18 @@ class Rule:
             st.cap(NEW_REQUEST_CAP)
 
     def best(self, b: int) -> Estimate:
-        return max((self.estimate(b, s) for s in self.arms), key=lambda e: (e.lower, -e.ms))
+        return self._choice({s: self.estimate(b, s) for s in self.arms})
 
     # ------------------------------------------------------------------ persistence
 
     def to_json(self) -> dict:
-        """What was measured, per bucket: each arm's time and gain estimates and the prior's bias."""
+        """What was measured, per bucket: each arm's residual time and gain estimates (not the
+        machine's speed: the next process measures its own)."""
         out = {}
         for b, k in self.buckets.items():
             out[str(b)] = {"prior_ms": {s.label(): ms for s, ms in k.prior_ms.items()},
-                           "time": {s.label(): st.to_json() for s, st in k.time.items()},
-                           "gain": {s.label(): st.to_json() for s, st in k.gain.items()},
-                           "bias": k.bias.to_json()}
+                           "resid": {s.label(): st.to_json() for s, st in k.resid.items()},
+                           "gain": {s.label(): st.to_json() for s, st in k.gain.items()}}
         return out
 
     def load_json(self, d: dict) -> None:
@@ -271,28 +307,24 @@ class Rule:
         by_label = {s.label(): s for s in self.arms}
         for key, v in d.items():
             k = self.bucket(int(key))
-            for name, target in (("time", k.time), ("gain", k.gain)):
+            for name, target in (("resid", k.resid), ("gain", k.gain)):
                 for label, raw in v.get(name, {}).items():
                     if label in by_label:
                         st = Stat.from_json(raw)
                         st.cap(LOAD_CAP)
                         target[by_label[label]] = st
-            if "bias" in v:
-                k.bias = Stat.from_json(v["bias"])
-                k.bias.cap(LOAD_CAP)
 
 
-def family(s: Setting) -> tuple:
-    """Trees that are prefixes of one another: the same mode, M and K (the chain is its own)."""
-    return (s.mode, s.top_m, s.top_k) if s.mode in ("treeflash", "marginal") else (s.mode, s.tree_size)
+def covers(big: Setting, small: Setting) -> bool:
+    """Whether a round of ``big`` tells what ``small`` would have gained: the same tree mode, M and K
+    (one prefix-closed family), no more nodes."""
+    return big == small or (big.mode == small.mode and big.mode in ("treeflash", "marginal")
+                            and (big.top_m, big.top_k) == (small.top_m, small.top_k)
+                            and small.tree_size <= big.tree_size)
 
 
 def hindsight(ran: Setting, accepted: list[float], arms: list[Setting]) -> dict[Setting, float]:
-    """Tokens each arm of ran's family no larger than it would have gained this round: ``accepted`` is
-    the verified tree's nodes best first (root excluded), 1.0 where accepted. The tree of n nodes is
-    the first n of them (prefix-closed), so its accepted path is what they hold of this one's."""
-    out = {}
-    for s in arms:
-        if family(s) == family(ran) and s.tree_size <= ran.tree_size:
-            out[s] = 1.0 + float(sum(accepted[: s.tree_size - 1]))
-    return out
+    """Tokens each arm that ``ran`` covers would have gained this round: ``accepted`` is the verified
+    tree's nodes best first (root excluded), 1.0 where accepted. The tree of n nodes is the first
+    n - 1 of them (prefix-closed), so its accepted path is what they hold of this one's."""
+    return {s: 1.0 + float(sum(accepted[: s.tree_size - 1])) for s in arms if s.mode != "ar" and covers(ran, s)}

@@ -148,7 +148,7 @@ def test_a_tree_rounds_nodes_teach_the_smaller_trees_of_its_family_in_hindsight(
     t.learn(report(t, plan, 3, [nodes], seconds=0.03), [(0, "a")])
     k = t.rule.bucket(1)
     assert {s: st.mean for s, st in k.gain.items()} == {TREES[0]: 3.0, TREES[1]: 3.0, TREES[2]: 3.0}
-    assert k.time[TREES[2]].mean == pytest.approx(30.0) and ARMS[1] not in k.gain
+    assert t.rule.estimate(1, TREES[2]).ms == pytest.approx(30.0) and TREES[2] in k.resid and ARMS[1] not in k.gain
 
 
 def test_rounds_that_captured_or_ran_eagerly_teach_gains_but_not_times():
@@ -159,7 +159,7 @@ def test_rounds_that_captured_or_ran_eagerly_teach_gains_but_not_times():
         plan = t.plan(1)
         t.learn(report(t, plan, 2, seconds=0.5, **flags))
     k = t.rule.bucket(1)
-    assert TREES[0] not in k.time and k.gain[TREES[0]].n > 1.5 and k.total_ms == pytest.approx(1000.0)
+    assert TREES[0] not in k.resid and not k.speed.n and k.gain[TREES[0]].n > 1.5 and k.total_ms == pytest.approx(1000.0)
 
 
 def test_the_second_process_starts_where_the_first_ended(tmp_path):

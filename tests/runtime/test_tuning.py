@@ -326,7 +326,7 @@ def test_with_graphs_exploration_rounds_run_eagerly_and_only_choices_are_capture
     assert all(exploring for exploring, eager, _, _ in rounds if eager)
     assert not any(new for exploring, _, new, _ in rounds if exploring)  # no capture for an exploration
     assert any(new for _, _, new, _ in rounds) and all(new == cap for _, _, new, cap in rounds)
-    timed = {s for s, st in tuner.rule.bucket(1).time.items() if st.n > 0}
+    timed = {s for s, st in tuner.rule.bucket(1).resid.items() if st.n > 0}
     assert timed <= set(tuner.used)
 
 
