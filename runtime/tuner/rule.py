@@ -41,7 +41,8 @@ GAIN_PACE = 2.0  # ... and the gains about the last 25 (the discount squared)
 PRIOR_SPREAD = 0.2  # relative standard error of a round time not yet measured (the prior's) ...
 FITTED_SPREAD = 0.1  # ... once two rounds have told the machine's speed
 TIME_FLOOR = 0.05  # relative standard deviation a round time is assumed to have at least
-GAIN_FLOOR = 0.25  # tokens: the standard deviation a tree's gain is assumed to have at least
+GAIN_FLOOR = 0.25  # tokens: the standard deviation a tree's gain is assumed to have at least ...
+STEP_FLOOR = 0.1  # ... and a size's step over the next smaller one
 GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens more per doubling of N
 SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
             # standard error grows as they age: an arm not run lately is explored again)
@@ -120,7 +121,8 @@ class Bucket:
     # of another kind); the residuals say where the prior was off for one arm against the others.
     speed: Stat = field(default_factory=Stat)
     resid: dict[Setting, Stat] = field(default_factory=dict)
-    gain: dict[Setting, Stat] = field(default_factory=dict)
+    gain: dict[Setting, Stat] = field(default_factory=dict)  # the rule's (shared by the buckets)
+    step: dict[Setting, Stat] = field(default_factory=dict)  # ... likewise
     total_ms: float = 0.0  # time of all rounds
     explore_ms: float = 0.0  # ... of exploration rounds
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
@@ -140,14 +142,17 @@ class Rule:
         self.prior_ms, self.block_size = prior_ms, block_size
         self.explore_share, self.discount, self.z = explore_share, discount, z
         self.buckets: dict[int, Bucket] = {}
-        self.gain: dict[Setting, Stat] = {}  # tokens per round per slot, shared by the buckets
+        # Tokens per round per slot, shared by the buckets: each tree's, and each size's step over the
+        # next smaller one of its family from the rounds that told both (see _gain).
+        self.gain: dict[Setting, Stat] = {}
+        self.step: dict[Setting, Stat] = {}
 
     def bucket(self, b: int) -> Bucket:
         """Bucket b's estimates. Round times are the bucket's own; tokens per round per slot are one
         estimate for all buckets (they are the requests' and the drafter's, not the batch's), so a
         larger bucket starts from what the smaller ones learnt."""
         if b not in self.buckets:
-            self.buckets[b] = Bucket(prior_ms=dict(self.prior_ms(b)), gain=self.gain)
+            self.buckets[b] = Bucket(prior_ms=dict(self.prior_ms(b)), gain=self.gain, step=self.step)
         return self.buckets[b]
 
     # ------------------------------------------------------------------ estimates
@@ -182,25 +187,43 @@ class Rule:
 
     def _gain(self, k: Bucket, s: Setting) -> tuple[float, float, bool, float]:
         """Tokens per round, its standard error, whether rounds told it, and what it gains at least
-        (the most any tree it covers gained: a round of it would hold theirs). Unseen trees: an
-        optimistic guess from the nearest tree of its mode seen (GROWTH of its extra tokens more per
-        doubling of the size), else half the most a round can gain, with an error of half its extra
-        tokens (and GAIN_FLOOR)."""
+        (what the largest smaller tree of its family that rounds told of gains). A tree's gain is its
+        family's smallest tree's plus the steps between each size and the next, each a mean over the
+        rounds that told both sizes (the same rounds: a step is never negative and is known far better
+        than two separate means). Unseen trees: an optimistic guess from the largest smaller tree seen
+        (GROWTH of its extra tokens more per doubling of the size), else half the most a round can
+        gain, with an error of half its extra tokens (and GAIN_FLOOR)."""
         if s.mode == "ar":
             return 1.0, 0.0, True, 1.0
-        seen = {o: st.mean for o, st in k.gain.items() if st.n >= SEEN and o.mode == s.mode}
-        sure = max([1.0] + [g for o, g in seen.items() if o != s and covers(s, o)])
-        g = k.gain.get(s)
-        if g is not None and g.n >= SEEN:  # a few rounds say little: gains spread about as far as they reach
-            return max(g.mean, sure), g.se(GAIN_FLOOR + 0.5 * (g.mean - 1.0)), True, sure
+        chain = self.family_up_to(s)
+        mean = var = 0.0
+        known = None  # (the largest tree of the chain that rounds told of, its gain)
+        for i, o in enumerate(chain):
+            st = k.gain.get(o) if i == 0 else k.step.get(o)
+            if st is None or st.n < SEEN:
+                break
+            if i == 0:
+                mean, var = st.mean, st.se(GAIN_FLOOR + 0.5 * (st.mean - 1.0)) ** 2
+            else:
+                mean, var = mean + max(st.mean, 0.0), var + st.se(STEP_FLOOR) ** 2
+            known = (o, mean)
+        if known is not None and known[0] == s:
+            return mean, math.sqrt(var), True, mean
+        sure = known[1] if known else 1.0
+        own = k.gain.get(s)  # rounds that told its gain alone (a runner that reports no nodes)
+        if own is not None and own.n >= SEEN:
+            return max(own.mean, sure), own.se(GAIN_FLOOR + 0.5 * (own.mean - 1.0)), True, sure
         most = float(min(s.tree_size, self.block_size))
-        if seen:  # the nearest tree of its mode that rounds told of (in size; ties: the one that gained more)
-            o, mean = min(seen.items(), key=lambda p: (abs(math.log2(s.tree_size / p[0].tree_size)), -p[1]))
-            guess = mean + GROWTH * (mean - 1.0) * math.log2(max(s.tree_size / o.tree_size, 1.0))
+        if known:
+            guess = sure + GROWTH * (sure - 1.0) * math.log2(s.tree_size / known[0].tree_size)
         else:
             guess = 1.0 + 0.5 * (most - 1.0)
         guess = min(max(guess, sure), most)
         return guess, GAIN_FLOOR + 0.5 * (guess - 1.0), False, sure
+
+    def family_up_to(self, s: Setting) -> list[Setting]:
+        """The arms of s's family no larger than s, smallest first (s last)."""
+        return sorted((o for o in self.arms if covers(s, o)), key=lambda o: o.tree_size)
 
     # ------------------------------------------------------------------ the rule
 
@@ -264,8 +287,8 @@ class Rule:
         k.rounds += 1
         for st in k.resid.values():
             st.decay(self.discount)
-        for st in k.gain.values():  # what a request accepts changes faster than what a round costs
-            st.decay(self.discount ** GAIN_PACE)
+        for st in (*k.gain.values(), *k.step.values()):  # what a request accepts changes faster than
+            st.decay(self.discount ** GAIN_PACE)  # what a round costs
         k.speed.decay(SPEED_DISCOUNT)
         prior = k.prior_ms.get(ran)
         if ms is not None and ms > 0 and prior:
@@ -277,13 +300,18 @@ class Rule:
             speed = k.speed.mean if k.speed.n else x - own
             k.speed.add(x - own)
             r.add(x - speed)
-        for s, g in gains.items():
-            if s in self.arms and s.mode != "ar":
-                k.gain.setdefault(s, Stat()).add(g)
+        # Per family, the smallest tree's gain and each size's step over the next smaller one, from the
+        # sizes this round told (hindsight tells a prefix of the family: every size up to the one run).
+        told = {s: g for s, g in gains.items() if s in self.arms and s.mode != "ar"}
+        for s, g in told.items():
+            k.gain.setdefault(s, Stat()).add(g)
+            below = self.family_up_to(s)[:-1]
+            if below and below[-1] in told:
+                k.step.setdefault(s, Stat()).add(g - told[below[-1]])
 
     def new_request(self, b: int) -> None:
         """A request starts alone: earlier requests' gains weigh at most NEW_REQUEST_CAP rounds."""
-        for st in self.gain.values():
+        for st in (*self.gain.values(), *self.step.values()):
             st.cap(NEW_REQUEST_CAP)
 
     def best(self, b: int) -> Estimate:
@@ -298,7 +326,8 @@ class Rule:
         for b, k in self.buckets.items():
             out[str(b)] = {"prior_ms": {s.label(): ms for s, ms in k.prior_ms.items()},
                            "resid": {s.label(): st.to_json() for s, st in k.resid.items()},
-                           "gain": {s.label(): st.to_json() for s, st in k.gain.items()}}
+                           "gain": {s.label(): st.to_json() for s, st in k.gain.items()},
+                           "step": {s.label(): st.to_json() for s, st in k.step.items()}}
         return out
 
     def load_json(self, d: dict) -> None:
@@ -307,7 +336,7 @@ class Rule:
         by_label = {s.label(): s for s in self.arms}
         for key, v in d.items():
             k = self.bucket(int(key))
-            for name, target in (("resid", k.resid), ("gain", k.gain)):
+            for name, target in (("resid", k.resid), ("gain", k.gain), ("step", k.step)):
                 for label, raw in v.get(name, {}).items():
                     if label in by_label:
                         st = Stat.from_json(raw)

@@ -72,7 +72,7 @@ def test_an_arm_whose_upper_bound_cannot_beat_the_best_is_not_explored():
     prior = {PLAIN: 10.0, CHAIN: 20.0, **{t: 30.0 for t in TREES}}
     rule = rule_with(prior)
     for t in TREES:
-        feed(rule, t, 30.0, {t: 1.0}, times=6)
+        feed(rule, t, 30.0, {o: 1.0 for o in TREES if covers(t, o)}, times=6)
     feed(rule, PLAIN, 10.0, times=20)
     s, exploring = rule.decide(1)
     assert exploring and s == CHAIN
@@ -101,6 +101,22 @@ def test_hindsight_gives_each_smaller_tree_of_the_family_its_exact_gain():
     other = [Setting("marginal", 4, 1, K), Setting("treeflash", 8, M // 2, K), Setting("treeflash", 8, M, K // 2)]
     assert hindsight(TREES[2], accepted, ARMS + other) == {TREES[0]: 3.0, TREES[1]: 4.0, TREES[2]: 4.0}
     assert covers(TREES[4], TREES[0]) and not covers(TREES[0], TREES[4]) and not any(covers(TREES[4], o) for o in other)
+
+
+def test_a_larger_trees_gain_is_the_smaller_ones_plus_the_step_their_shared_rounds_measured():
+    """The 4-node tree ran for 30 rounds gaining 2.0; three rounds of the 8-node tree, on harder text,
+    told 1.5 for the 4-node tree and 2.0 for the 8-node one. The 8-node tree's estimate is the 4-node
+    tree's gain plus the step the shared rounds measured (2.5), not the mean of its own three rounds
+    (2.0, which would make it look no better than the smaller tree); the 16-node tree, never run,
+    gains at least that much."""
+    prior = {PLAIN: 10.0, CHAIN: 20.0, **{t: 15.0 for t in TREES}}
+    rule = rule_with(prior)
+    feed(rule, TREES[1], 15.0, {TREES[0]: 1.5, TREES[1]: 2.0}, times=3)
+    feed(rule, TREES[0], 15.0, {TREES[0]: 2.0}, times=30)
+    e = rule.estimate(1, TREES[1])
+    assert e.seen and e.gain == pytest.approx(2.5, abs=0.05) and rule.bucket(1).gain[TREES[1]].mean == 2.0
+    big = rule.estimate(1, TREES[2])
+    assert not big.seen and big.sure == pytest.approx(e.gain) and big.gain >= e.gain
 
 
 def test_candidates_are_one_family_per_mode_and_explicit_values_win():

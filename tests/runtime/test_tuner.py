@@ -148,6 +148,7 @@ def test_a_tree_rounds_nodes_teach_the_smaller_trees_of_its_family_in_hindsight(
     t.learn(report(t, plan, 3, [nodes], seconds=0.03), [(0, "a")])
     k = t.rule.bucket(1)
     assert {s: st.mean for s, st in k.gain.items()} == {TREES[0]: 3.0, TREES[1]: 3.0, TREES[2]: 3.0}
+    assert {s: st.mean for s, st in k.step.items()} == {TREES[1]: 0.0, TREES[2]: 0.0}  # each size over the last
     assert t.rule.estimate(1, TREES[2]).ms == pytest.approx(30.0) and TREES[2] in k.resid and ARMS[1] not in k.gain
 
 
