@@ -23,7 +23,7 @@ from treeflash_export.errors import ConfigError
 
 from ..plan import NodeReport, RoundPlan, RoundReport
 from .cache import CostKey, TunerStore, pair_fingerprint
-from .prior import measure_prior, scaled_prior
+from .prior import interpolated_prior, measure_prior
 from .rule import Rule, hindsight
 from .setting import FIELDS, PLAIN, Setting, candidate_settings
 
@@ -77,13 +77,15 @@ class TreeTuner:
     as a plan; ``used`` counts the settings run, ``report`` is for --json."""
 
     def __init__(self, rule: Rule, *, drafter_temperature: float = 1.0, context: bool = True, store=None,
-                 key: CostKey | None = None, measure=None, log=None):
+                 key: CostKey | None = None, measure=None, log=None, top_bucket: int = 1):
         """measure(bucket) -> ({setting: ms}, steady): the prior of a bucket, timed on the runner
-        (None: none can be timed, e.g. in tests, where the rule's prior_ms is given)."""
+        (None: none can be timed, e.g. in tests, where the rule's prior_ms is given). top_bucket:
+        the runner's largest batch bucket, timed too (buckets between take the two ends' prior,
+        interpolated)."""
         self.rule, self.log = rule, log
         self.drafter_temperature = drafter_temperature
         self.context = context  # plain steps keep the drafter's context (a tree may follow)
-        self.store, self.key, self.measure = store, key, measure
+        self.store, self.key, self.measure, self.top_bucket = store, key, measure, top_bucket
         self.fixed_mode: str | None = None
         self.max_tree_size = max(s.tree_size for s in rule.arms)
         self.used: Counter = Counter()  # rounds per Setting
@@ -122,7 +124,8 @@ class TreeTuner:
                 return measure_prior(probe, b, tuner.rule.arms, log)
 
         tuner = cls(Rule(arms, lambda b: tuner._prior(b), runner.block_size), drafter_temperature=drafter_temperature,
-                    context=runner.block_size >= 2, store=store, key=key, measure=measure, log=log)
+                    context=runner.block_size >= 2, store=store, key=key, measure=measure, log=log,
+                    top_bucket=max(getattr(runner, "buckets", (1,))))
         tuner.fixed_mode = fixed.get("mode")
         if not retune:
             tuner._load()
@@ -131,15 +134,17 @@ class TreeTuner:
     # ------------------------------------------------------------------ the prior and what was learnt
 
     def _prior(self, b: int) -> dict[Setting, float]:
-        """Bucket b's prior: as measured or loaded; a bucket not timed takes bucket 1's, scaled."""
+        """Bucket b's prior: as measured or loaded, else interpolated between the buckets that were
+        (bucket 1 and the largest, both timed when the engine starts)."""
+        if b not in self._priors and self.measure is not None and (b == 1 or not self._priors):
+            self._time_prior(1)
         if b in self._priors:
             return self._priors[b]
-        if 1 in self._priors or self.measure is None:
-            base = self._priors.get(1) or {s: 1.0 for s in self.rule.arms}
-            return scaled_prior(base, b, 1)
-        self._priors[1], steady = self.measure(1)
+        return interpolated_prior(self._priors or {1: {s: 1.0 for s in self.rule.arms}}, b)
+
+    def _time_prior(self, b: int) -> None:
+        self._priors[b], steady = self.measure(b)
         self._keep_prior = self._keep_prior and steady
-        return self._priors[1] if b == 1 else scaled_prior(self._priors[1], b, 1)
 
     def _load(self) -> None:
         if self.store is None or self.key is None:
@@ -189,12 +194,17 @@ class TreeTuner:
     # ------------------------------------------------------------------ the engine's policy protocol
 
     def start(self) -> None:
-        """Before an engine admits anything: bucket 1's prior is timed now (the probe takes a slot, so
-        never while requests hold one); other buckets start from it and learn from their rounds."""
+        """Before an engine admits anything: the prior of bucket 1 and of the largest bucket is timed
+        now (the probe takes slots, so never while requests hold one); the buckets between start from
+        the two, interpolated, and learn from their rounds."""
         if self.resumed and self.log and not self._said:
             self.log("tuning: starting from what earlier runs with this pair on this machine measured")
         self._said = True
         self.rule.bucket(1)
+        if self.top_bucket > 1 and self.top_bucket not in self._priors and self.measure is not None:
+            # Rounds of many slots cost another share of plain decoding's step than one slot's (on a
+            # CPU several times more): the largest bucket is timed too, while no request holds a slot.
+            self._time_prior(self.top_bucket)
 
     def close(self) -> None:
         self.save(force=True)

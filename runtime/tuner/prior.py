@@ -15,6 +15,7 @@ process only (it is not kept for the next one).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable, Protocol
@@ -59,8 +60,18 @@ def measure_prior(probe: Probe, b: int, arms: list[Setting], log: Callable[[str]
     return out, steady
 
 
-def scaled_prior(measured: dict[Setting, float], b: int, from_b: int) -> dict[Setting, float]:
-    """A bucket's prior from another's, before its own rounds say better: a round over more slots
-    costs more, here assumed a tenth more per slot (real rounds correct it within a few rounds)."""
-    factor = (1.0 + 0.1 * (b - 1)) / (1.0 + 0.1 * (from_b - 1))
-    return {s: ms * factor for s, ms in measured.items()}
+def interpolated_prior(measured: dict[int, dict[Setting, float]], b: int) -> dict[Setting, float]:
+    """A bucket's prior from the buckets measured, before its own rounds say better: between two
+    measured buckets, each arm's time interpolated on log scales (a round of b slots costs somewhere
+    between a compute-bound b times and a weight-bound once); past the largest measured bucket, its
+    times a tenth more per slot (real rounds correct either within a few rounds)."""
+    lower = max((m for m in measured if m <= b), default=None)
+    upper = min((m for m in measured if m >= b), default=None)
+    if lower is None:
+        lower = upper
+    if upper is None or upper == lower:
+        factor = (1.0 + 0.1 * (b - 1)) / (1.0 + 0.1 * (lower - 1))
+        return {s: ms * factor for s, ms in measured[lower].items()}
+    w = math.log(b / lower) / math.log(upper / lower)
+    lo, hi = measured[lower], measured[upper]
+    return {s: math.exp((1.0 - w) * math.log(lo[s]) + w * math.log(hi[s])) for s in lo if s in hi}

@@ -216,3 +216,20 @@ def test_report_says_what_ran_what_it_gained_and_what_each_arm_is_estimated_at()
     assert set(rep["arms"]["1"]) == {s.label() for s in ARMS} and rep["choices"]["1"]["mode"] in ("ar", "chain",
                                                                                                   "treeflash")
     assert 0.0 <= rep["explore_share"]["1"] <= 1.0
+
+
+def test_start_times_bucket_one_and_the_largest_and_the_buckets_between_take_both():
+    """Before anything is admitted the prior of bucket 1 and of the runner's largest bucket is timed;
+    a bucket between takes each arm's time interpolated on log scales (here 10 ms x b for trees:
+    bucket 4 of 1..8 gets 40 ms), and nothing more is timed once requests hold slots."""
+    measured = []
+
+    def measure(b):
+        measured.append(b)
+        return {s: (5.0 if s == PLAIN else 10.0) * b for s in ARMS}, True
+
+    t = TreeTuner(Rule(ARMS, lambda b: t._prior(b), B), measure=measure, top_bucket=8)
+    t.start()
+    assert measured == [1, 8]
+    assert t.rule.bucket(4).prior_ms[TREES[0]] == pytest.approx(40.0)
+    assert t.rule.bucket(2).prior_ms[PLAIN] == pytest.approx(10.0) and measured == [1, 8]
