@@ -1,0 +1,24 @@
+"""make bench-default's summary (treeflash_runtime.bench.protocol) over a result it did not run: each
+demo row the median of its passes, ratios against plain decoding's median."""
+
+from __future__ import annotations
+
+from treeflash_runtime.bench.protocol import median_rows, summary
+
+
+def test_the_summary_takes_each_rows_median_over_the_passes():
+    def row(rate, used=None):
+        return {"tokens_per_s": rate, "tuning": {"settings_used": used or {"ar": 3}}}
+
+    passes = [{"auto first contact": row(30.0), "auto again": row(27.0), "ar": row(20.0),
+               "treeflash N=16 M=4 K=8": row(33.0)},
+              {"auto first contact": row(34.0), "auto again": row(29.0), "ar": row(22.0),
+               "treeflash N=16 M=4 K=8": row(29.0)},
+              {"auto first contact": row(26.0), "auto again": row(31.0), "ar": row(18.0),
+               "treeflash N=16 M=4 K=8": row(31.0)}]
+    demo = median_rows(passes)
+    assert demo["ar"]["tokens_per_s"] == 20.0 and demo["ar"]["tokens_per_s_by_pass"] == [20.0, 22.0, 18.0]
+    text = summary({"one_core": True, "max_new_tokens": 96, "passes": passes, "demo": demo})
+    assert "plain 20.0 tok/s; best fixed treeflash N=16 M=4 K=8 31.0 tok/s (1.55x)" in text
+    assert "auto first contact: 30.0 tok/s = 1.50x plain, 0.97x the best" in text
+    assert "plain decoding by pass: 20.0, 22.0, 18.0" in text and text.startswith("profile: one core")
