@@ -35,6 +35,7 @@ Z = 1.0  # upper confidence bounds at one standard error
 LOWER_Z = 0.5  # lower ones at half of that (the choice follows a well-supported mean, not the worst case)
 EXPLORE_SHARE = 0.015  # the share of a bucket's time exploration may lose
 CREDIT_PLAIN_STEPS = 1.25  # exploration's credit at first contact, in plain steps
+FREE_PASS = 3.0  # an arm whose mean loses nothing may be explored while the losses stay under this x the budget
 DISCOUNT = 0.98  # per round: the arms' residual times follow about the last 50 rounds
 SPEED_DISCOUNT = 0.9  # ... and the machine's speed about the last 10 (another job starts or stops)
 GAIN_PACE = 2.0  # ... and the gains about the last 25 (the discount squared)
@@ -206,6 +207,7 @@ class Rule:
                 mean, var = st.mean, st.se(GAIN_FLOOR + 0.5 * (st.mean - 1.0)) ** 2
             else:
                 mean, var = mean + max(st.mean, 0.0), var + st.se(STEP_FLOOR) ** 2
+            mean = min(mean, float(min(o.tree_size, self.block_size)))  # a round gains at most min(N, B)
             known = (o, mean)
         if known is not None and known[0] == s:
             return mean, math.sqrt(var), True, mean
@@ -248,9 +250,11 @@ class Rule:
         cheapest = min(hopeful, key=lambda e: (loss(e), -e.upper))
         # The credit lets first contact explore; it fades as the losses it paid for do. An arm whose
         # rounds say it loses nothing (its mean as good as the choice's: a tree not yet shown to beat
-        # plain decoding) is tried whatever the account.
+        # plain decoding) may be tried past the account, up to FREE_PASS times it: rounds that win pay
+        # back, so where a tree pays this does not bind; where the means were too hopeful it does.
         credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
-        if (cheapest.seen and loss(cheapest) <= 0.0) or k.lost_ms <= self.explore_share * k.recent_ms + credit:
+        allowed = self.explore_share * k.recent_ms + credit
+        if k.lost_ms <= allowed or (cheapest.seen and loss(cheapest) <= 0.0 and k.lost_ms <= FREE_PASS * allowed):
             return cheapest.setting, True
         return best.setting, False
 

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from treeflash_runtime.tuner.rule import EXPLORE_SHARE, LOAD_CAP, Rule, Stat, covers, hindsight
+from treeflash_runtime.tuner.rule import (CREDIT_PLAIN_STEPS, EXPLORE_SHARE, FREE_PASS, LOAD_CAP, Rule, Stat, covers,
+                                          hindsight)
 from treeflash_runtime.tuner.setting import FAMILY, PLAIN, Setting, candidate_settings
 
 B = 8
@@ -64,6 +65,21 @@ def test_exploration_stays_within_its_share_of_the_time(spent, total, explores):
     k.lost_ms, k.recent_ms = spent, total
     s, exploring = rule.decide(1)
     assert exploring == explores and (s != PLAIN) == explores
+
+
+def test_an_arm_whose_mean_loses_nothing_is_tried_past_the_budget_up_to_a_bound():
+    """A tree whose mean rate matches plain decoding's but whose lower bound does not beat it yet is
+    tried past the exploration budget (it is expected to lose nothing), but not once the account has
+    lost more than FREE_PASS times the budget (its means were too hopeful)."""
+    rule = rule_with({PLAIN: 10.0, TREES[0]: 20.0}, arms=[PLAIN, TREES[0]])
+    feed(rule, PLAIN, 10.0, times=30)
+    feed(rule, TREES[0], 20.0, {TREES[0]: 2.0}, times=2)  # 2 tokens in 20 ms: plain decoding's rate
+    k = rule.bucket(1)
+    allowed = EXPLORE_SHARE * k.recent_ms + CREDIT_PLAIN_STEPS * 10.0 * 0.98 ** k.rounds
+    k.lost_ms = 2.0 * allowed
+    assert rule.decide(1) == (TREES[0], True)
+    k.lost_ms = (FREE_PASS + 0.5) * allowed
+    assert rule.decide(1) == (PLAIN, False)
 
 
 def test_an_arm_whose_upper_bound_cannot_beat_the_best_is_not_explored():
