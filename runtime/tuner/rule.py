@@ -6,20 +6,20 @@ buckets: they are the requests' and the drafter's, not the batch's):
   speed now (what every real round, of any arm, says of the prior: the machine may slow down or
   speed up between and within processes, and every arm with it), times the arm's own residual (how
   its own real rounds, everything in them, read-back included, differ from the prior beyond that);
-- its tokens per round (per slot), from its own rounds and, exactly, in hindsight from larger trees
-  of its family (same mode, M and K: best-first trees are prefix-closed, so a smaller tree's accepted
-  path is the part of the larger one's it contains); until then an optimistic guess, never below
-  what the smaller trees of its family gained.
+- its tokens per round (per slot): its family's smallest tree's, plus each larger size's step over
+  the next smaller one, measured on the rounds that told both (exactly, in hindsight: best-first trees
+  are prefix-closed, so a smaller tree's accepted path is the part of the larger one's it contains);
+  until rounds told it, an optimistic guess, never below what the smaller trees of its family gained.
 Plain decoding gains exactly one token a round, so its rate is known once its time is.
 
-One rule: run the arm with the highest lower confidence bound on tokens per second; while other arms'
-upper bounds beat it, explore the one cheapest to try (least expected loss) as long as exploration
-has lost less than ``explore_share`` of the bucket's recent time (plus a small credit at first
-contact). An exploration
-round loses the time it took beyond what the best arm would have taken for the tokens it gained:
-trying a tree that costs little more than the choice costs little. Plain decoding's time is measured
-first (its gain is known, so its rate is once its time is). Every estimate is discounted by
-``discount`` a round, so a request that changes character is followed.
+One rule: run the arm with the best mean tokens per second among those rounds told of, where a tree
+counts once its lower confidence bound beats plain decoding's rate; while other arms' upper bounds
+beat the choice, explore the one that surely loses least, as long as exploration has lost less than
+``explore_share`` of the bucket's recent time (plus a small credit at first contact; an arm whose mean
+loses nothing, up to FREE_PASS times that). An exploration round loses the time it took beyond what
+the choice would have taken for the tokens it gained: trying a tree that costs little more than the
+choice costs little. Plain decoding's time is measured first (its gain is known, so its rate is once
+its time is). Every estimate is discounted a round, so a request that changes character is followed.
 
 Pure: no runner, no tensors, no clock; ``learn`` takes what a round measured.
 """
