@@ -15,8 +15,8 @@ Plain decoding gains exactly one token a round, so its rate is known once its ti
 One rule: run the arm with the best mean tokens per second among those rounds told of, where a tree
 counts once its lower confidence bound beats plain decoding's rate; while other arms' upper bounds
 beat the choice, explore the one that surely loses least, as long as exploration has lost less than
-``explore_share`` of the bucket's recent time (plus a small credit at first contact; an arm whose mean
-loses nothing, up to FREE_PASS times that). An exploration round loses the time it took beyond what
+``explore_share`` of the bucket's recent time (plus a small credit at first contact, for the bucket
+that runs first; an arm whose mean loses nothing, up to FREE_PASS times that). An exploration round loses the time it took beyond what
 the choice would have taken for the tokens it gained: trying a tree that costs little more than the
 choice costs little. Plain decoding's time is measured first (its gain is known, so its rate is once
 its time is). Every estimate is discounted a round, so a request that changes character is followed.
@@ -129,6 +129,7 @@ class Bucket:
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
     lost_ms: float = 0.0  # what exploration lost (beyond the best arm's time for its tokens), discounted
     rounds: int = 0
+    first_contact: bool | None = None  # no bucket had run a round when this one first decided
 
 
 class Rule:
@@ -229,11 +230,19 @@ class Rule:
 
     # ------------------------------------------------------------------ the rule
 
+    def _started(self, b: int) -> Bucket:
+        """Bucket b, marked at its first decision or round as first contact or not (whether any
+        bucket had run a round before)."""
+        k = self.bucket(b)
+        if k.first_contact is None:
+            k.first_contact = not any(o.rounds for o in self.buckets.values())
+        return k
+
     def decide(self, b: int) -> tuple[Setting, bool]:
         """(the setting of bucket b's next round, whether it is an exploration round)."""
         est = {s: self.estimate(b, s) for s in self.arms}
         best = self._choice(est)
-        k = self.bucket(b)
+        k = self._started(b)
         plain = est.get(PLAIN)
         if plain is not None and not plain.measured and best.setting != PLAIN:
             # The reference first: its rate is known once its time is, and its rounds are the cheapest.
@@ -248,11 +257,15 @@ class Rule:
             return e.ms - 1000.0 * gain / best.rate if best.rate > 0 else e.ms
 
         cheapest = min(hopeful, key=lambda e: (loss(e), -e.upper))
-        # The credit lets first contact explore; it fades as the losses it paid for do. An arm whose
+        # The credit lets first contact explore; it fades as the losses it paid for do. A bucket that
+        # starts after others ran has none: the gains it needs are known (the buckets share them), and
+        # its round times follow from its prior and the machine's speed within its own budget. An arm whose
         # rounds say it loses nothing (its mean as good as the choice's: a tree not yet shown to beat
         # plain decoding) may be tried past the account, up to FREE_PASS times it: rounds that win pay
         # back, so where a tree pays this does not bind; where the means were too hopeful it does.
-        credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
+        credit = 0.0
+        if k.first_contact:
+            credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
         allowed = self.explore_share * k.recent_ms + credit
         if k.lost_ms <= allowed or (cheapest.seen and loss(cheapest) <= 0.0 and k.lost_ms <= FREE_PASS * allowed):
             return cheapest.setting, True
@@ -274,7 +287,7 @@ class Rule:
         (None for a round that captured a graph or ran eagerly on a graph runner); gains: tokens per
         slot for ``ran`` and, in hindsight, for the smaller trees it covers; wall_ms: what it took
         anyway (the exploration budget counts it)."""
-        k = self.bucket(b)
+        k = self._started(b)
         k.recent_ms *= self.discount
         k.lost_ms *= self.discount
         if explored:  # what the round lost against the best arm as it stood

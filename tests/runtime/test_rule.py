@@ -82,6 +82,27 @@ def test_an_arm_whose_mean_loses_nothing_is_tried_past_the_budget_up_to_a_bound(
     assert rule.decide(1) == (PLAIN, False)
 
 
+def test_a_bucket_that_starts_after_others_explores_on_its_budget_alone():
+    """First contact's credit is for the bucket that runs first, when nothing is known. A bucket that
+    starts later (requests joining) shares the gains the first one learnt, so it explores within its
+    own share of the time only: with the same losses on its account, it keeps the choice."""
+    arms = [PLAIN, TREES[0]]
+
+    def state(first_bucket: bool) -> Rule:
+        rule = Rule(arms, lambda b: {PLAIN: 10.0, TREES[0]: 14.0}, B)
+        if not first_bucket:
+            rule.learn(1, PLAIN, 10.0, {}, False, 10.0)  # bucket 1 ran first
+        rule.decide(8)
+        for _ in range(3):
+            rule.learn(8, PLAIN, 10.0, {}, False, 10.0)
+        rule.learn(8, TREES[0], 14.0, {TREES[0]: 1.3}, True, 14.0)
+        rule.bucket(8).lost_ms = 5.0  # past 1.5% of its 44 ms, within first contact's credit
+        return rule
+
+    assert state(first_bucket=True).decide(8) == (TREES[0], True)
+    assert state(first_bucket=False).decide(8) == (PLAIN, False)
+
+
 def test_an_arm_whose_upper_bound_cannot_beat_the_best_is_not_explored():
     """Trees measured slow and gaining nothing are not explored again, however much budget is left;
     the chain, never run, still is (its bound is wide)."""
