@@ -8,7 +8,8 @@ records for it, in one command, each figure beside plain decoding's from the sam
    --heldout-prompts`` with the default, the fixed trees N = 8 and 16 of the default's family (M = 4,
    K = 8) and plain decoding, prompt by prompt.
 3. In process, request slots at concurrency 1 and 8: the default, three hand tables and plain decoding
-   (``--passes`` runs of each, taking turns, each row the median run).
+   (``--slot-runs`` runs of each, taking turns, each row the median run: a run of 16 short requests
+   at concurrency 8 takes seconds, and this machine's speed moves by tens of percent between runs).
 
 ``--one-core`` runs every command on CPU 0 with one thread (``taskset -c 0``, OMP_NUM_THREADS=1),
 which moves the ratios between a round's parts as another CPU would. Results go to OUT as JSON, and
@@ -57,7 +58,9 @@ def _run(cmd: list[str], env: dict, one_core: bool, log) -> dict:
 @click.option("--passes", default=2, show_default=True,
               help="Passes over the demo prompt's rows (each from an empty tuner cache); the summary takes the "
                    "median of each row's tokens/s.")
-def main(out, one_core, max_new_tokens, heldout, slots, passes):
+@click.option("--slot-runs", default=3, show_default=True,
+              help="Runs of each request-slot row (the rows taking turns); the summary takes the median run.")
+def main(out, one_core, max_new_tokens, heldout, slots, passes, slot_runs):
     """Runs the protocol; prints a summary."""
     log = lambda m: click.echo(m, err=True)  # noqa: E731
     out = Path(out) / ("one-core" if one_core else "as-is")
@@ -97,7 +100,7 @@ def main(out, one_core, max_new_tokens, heldout, slots, passes):
     if slots:
         log("request slots")
         res["slots"] = _run(bench[:1] + ["--concurrency", "1,8", "--requests", "16", "--max-new-tokens", "32",
-                                          "--repeat", str(passes),
+                                          "--repeat", str(slot_runs),
                                           "--modes", "auto,treeflash", "--tree-sizes", "8", "--top-m", "4",
                                           "--top-k", "8", "--tree-size-by-batch", TABLES, "--json"], env, one_core, log)
     (out / "protocol.json").write_text(json.dumps(res, indent=1))

@@ -49,8 +49,9 @@ def measure_prior(probe: Probe, b: int, arms: list[Setting], log: Callable[[str]
         t0 = time.perf_counter()
         out[s] = 1000.0 * time_median(probe, "round", b, {"setting": s}, repeats)
         if log and time.perf_counter() - t0 > SLOW_PART_S:
-            log(f"tuning: {s.label()} took {time.perf_counter() - t0:.1f} s to time, most of it its first call "
-                f"(kernels compiling and a graph captured, on a GPU; compiled kernels are cached for later runs)")
+            log(f"tuning: {s.label()} took {time.perf_counter() - t0:.1f} s to time ({max(1, repeats) + 1} rounds; "
+                f"where kernels compile or a graph is captured, the first call does it, and compiled kernels are "
+                f"cached for later runs)")
     plain_last = 1000.0 * time_median(probe, "ar", b, {}, repeats) if trees else plain_first
     out[PLAIN] = min(plain_first, plain_last)
     steady = max(plain_first, plain_last) <= STEADY_DRIFT * min(plain_first, plain_last)
