@@ -148,6 +148,7 @@ class Rule:
         # next smaller one of its family from the rounds that told both (see _gain).
         self.gain: dict[Setting, Stat] = {}
         self.step: dict[Setting, Stat] = {}
+        self._family: dict[Setting, list[Setting]] = {}  # family_up_to's answers (the arms do not change)
 
     def bucket(self, b: int) -> Bucket:
         """Bucket b's estimates. Round times are the bucket's own; tokens per round per slot are one
@@ -226,7 +227,10 @@ class Rule:
 
     def family_up_to(self, s: Setting) -> list[Setting]:
         """The arms of s's family no larger than s, smallest first (s last)."""
-        return sorted((o for o in self.arms if covers(s, o)), key=lambda o: o.tree_size)
+        chain = self._family.get(s)
+        if chain is None:
+            chain = self._family[s] = sorted((o for o in self.arms if covers(s, o)), key=lambda o: o.tree_size)
+        return chain
 
     # ------------------------------------------------------------------ the rule
 
