@@ -43,7 +43,7 @@ PRIOR_SPREAD = 0.2  # relative standard error of a round time not yet measured (
 FITTED_SPREAD = 0.1  # ... once two rounds have told the machine's speed
 TIME_FLOOR = 0.05  # relative standard deviation a round time is assumed to have at least
 GAIN_FLOOR = 0.25  # tokens: the standard deviation a tree's gain is assumed to have at least ...
-STEP_FLOOR = 0.5  # ... and a size's step over the next smaller one (a round's step is 0 or several tokens)
+STEP_FLOOR = 0.1  # ... and a size's step over the next smaller one
 GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens more per doubling of N
 SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
             # standard error grows as they age: an arm not run lately is explored again)
