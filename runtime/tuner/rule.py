@@ -47,7 +47,6 @@ STEP_FLOOR = 0.1  # ... and a size's step over the next smaller one
 GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens more per doubling of N
 SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
             # standard error grows as they age: an arm not run lately is explored again)
-LOSS_FLOOR = 0.1  # exploration: an arm loses at least this share of its round time (a ratio's floor)
 BURST = 1.5  # a round time counts for at most this many times the arm's mean
 LOAD_CAP = 8.0  # a persisted estimate weighs at most this many rounds: new rounds override it fast
 NEW_REQUEST_CAP = 4.0  # gains of earlier requests weigh at most this many rounds when a request starts alone
@@ -105,7 +104,6 @@ class Estimate:
     measured: bool  # its round time comes from its own rounds
     seen: bool = True  # its gain comes from rounds (its own or, in hindsight, a larger tree's)
     sure: float = 1.0  # tokens per round it gains at least (the most a tree it covers gained)
-    likely: float = 0.0  # the upper bound of its guess (= upper once seen): what orders exploration
 
     def to_json(self) -> dict:
         s = self.setting
@@ -175,9 +173,8 @@ class Rule:
         lo = max(sure, gain - zl * gain_se) if seen else sure
         hi = min(most, gain + zu * gain_se) if seen else most  # never run: it may gain all it can
         fast, slow = max(ms - zu * ms_se, 1e-6), ms + zl * ms_se
-        likely = hi if seen else min(most, gain + zu * gain_se)
         return Estimate(s, gain, ms, 1000.0 * gain / ms, 1000.0 * lo / slow, 1000.0 * hi / fast, measured, seen,
-                        sure, 1000.0 * likely / fast)
+                        sure)
 
     def _time(self, k: Bucket, s: Setting) -> tuple[float, float, bool]:
         """Milliseconds per round, its relative standard error, and whether the arm's own rounds told
@@ -263,14 +260,7 @@ class Rule:
             gain = e.gain if e.seen else e.sure
             return e.ms - 1000.0 * gain / best.rate if best.rate > 0 else e.ms
 
-        def value(e):  # the most upside (its likely bound over the choice's rate) per millisecond it surely
-            # loses; where none is likely, the one that surely loses least. The cheapest alone would keep
-            # trying a small tree whose bound stays just above the choice while a larger one, never
-            # run, is never told (its round would tell both).
-            up = e.likely - best.rate
-            return (1, up / max(loss(e), LOSS_FLOOR * e.ms)) if up > 0 else (0, -loss(e))
-
-        cheapest = max(hopeful, key=value)
+        cheapest = min(hopeful, key=lambda e: (loss(e), -e.upper))
         # The credit lets first contact explore; it fades as the losses it paid for do. A bucket that
         # starts after others ran has none: the gains it needs are known (the buckets share them), and
         # its round times follow from its prior and the machine's speed within its own budget. An arm whose
