@@ -16,10 +16,11 @@ One rule: run the arm with the best mean tokens per second among those rounds to
 counts once its lower confidence bound beats plain decoding's rate; while other arms' upper bounds
 beat the choice, explore the one that surely loses least, as long as exploration has lost less than
 ``explore_share`` of the bucket's recent time (plus a small credit at first contact, for the bucket
-that runs first; an arm whose mean loses nothing, up to FREE_PASS times that). An exploration round loses the time it took beyond what
-the choice would have taken for the tokens it gained: trying a tree that costs little more than the
-choice costs little. Plain decoding's time is measured first (its gain is known, so its rate is once
-its time is). Every estimate is discounted a round, so a request that changes character is followed.
+that runs first; an arm whose mean loses nothing, up to FREE_PASS times that). An exploration round
+loses the time it took beyond what the choice would have taken for the tokens it gained: trying a
+tree that costs little more than the choice costs little. Plain decoding's time is measured first
+(its gain is known, so its rate is once its time is). Every estimate is discounted a round, so a
+request that changes character is followed.
 
 Pure: no runner, no tensors, no clock; ``learn`` takes what a round measured.
 """
