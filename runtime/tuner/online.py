@@ -121,7 +121,7 @@ class TreeTuner:
 
         def measure(b):
             with runner.probing(b, PROBE_PROMPT) as probe:
-                return measure_prior(probe, b, tuner.rule.arms, log)
+                return measure_prior(probe, b, tuner.rule.arms, log, tree=tuner._config)
 
         tuner = cls(Rule(arms, lambda b: tuner._prior(b), runner.block_size), drafter_temperature=drafter_temperature,
                     context=runner.block_size >= 2, store=store, key=key, measure=measure, log=log,
@@ -228,10 +228,12 @@ class TreeTuner:
         self._current[bucket] = (s, exploring)
         self._bucket = bucket
         self.used[s] += 1
-        # Tree rounds report their verified nodes (what the smaller trees would have gained); exploration
-        # rounds run eagerly on a graph runner (a setting tried a few times is not worth a capture).
+        # Tree rounds report their verified nodes (what the smaller trees would have gained). On a graph
+        # runner an exploration round replays the graph the cost probe kept (greedy rounds of the buckets
+        # it timed), else runs eagerly (a setting tried a few times is not worth a capture); plain
+        # decoding, the reference, is always worth one.
         return RoundPlan(tree=self._config(s), report_nodes=s.mode != "ar", keep_context=self.context,
-                         may_capture=not exploring)
+                         may_capture=not exploring or s.mode == "ar")
 
     def learn(self, report: RoundReport, running: list | None = None) -> None:
         b = self._bucket

@@ -5,7 +5,9 @@ Real rounds override it (rule.py).
 The probe protocol (the runner implements it; nothing here touches a tensor):
 
     probe.time_part('ar', b) -> seconds                     one plain decoding step of b slots
-    probe.time_part('round', b, setting=Setting) -> seconds one whole round at that setting
+    probe.time_part('round', b, setting=Setting, tree=TreeConfig) -> seconds
+                                                            one whole round at that setting (tree: the
+                                                            config the tuner's plans carry for it)
 
 Each time is the median of a few calls after a warm-up call (graphs, allocator, kernels compiling).
 The plain step is timed before and after the rounds: when the two differ by more than STEADY_DRIFT
@@ -38,8 +40,10 @@ def time_median(probe: Probe, part: str, b: int, params: dict, repeats: int = RE
 
 
 def measure_prior(probe: Probe, b: int, arms: list[Setting], log: Callable[[str], None] | None = None,
-                  repeats: int = REPEATS) -> tuple[dict[Setting, float], bool]:
-    """({arm: ms per round} for bucket b, steady): plain decoding's step and each tree's whole round."""
+                  repeats: int = REPEATS, tree=None) -> tuple[dict[Setting, float], bool]:
+    """({arm: ms per round} for bucket b, steady): plain decoding's step and each tree's whole round.
+    tree(setting) -> the TreeConfig the rounds will run (a probe on a graph runner keeps that
+    round's graph for them)."""
     out: dict[Setting, float] = {}
     trees = [s for s in arms if s.mode != "ar"]
     plain_first = 1000.0 * time_median(probe, "ar", b, {}, repeats)
@@ -47,7 +51,8 @@ def measure_prior(probe: Probe, b: int, arms: list[Setting], log: Callable[[str]
         if log:
             log(f"tuning: timing a round of {s.label()}{f' for {b} slots' if b > 1 else ''} ({i}/{len(trees)})")
         t0 = time.perf_counter()
-        out[s] = 1000.0 * time_median(probe, "round", b, {"setting": s}, repeats)
+        params = {"setting": s} if tree is None else {"setting": s, "tree": tree(s)}
+        out[s] = 1000.0 * time_median(probe, "round", b, params, repeats)
         if log and time.perf_counter() - t0 > SLOW_PART_S:
             log(f"tuning: {s.label()} took {time.perf_counter() - t0:.1f} s to time ({max(1, repeats) + 1} rounds; "
                 f"where kernels compile or a graph is captured, the first call does it, and compiled kernels are "

@@ -129,6 +129,10 @@ class Bucket:
     explore_ms: float = 0.0  # ... of exploration rounds
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
     lost_ms: float = 0.0  # what exploration lost (beyond the best arm's time for its tokens), discounted
+    # What an arm's last exploration round took when it was not timed (run eagerly on a graph runner,
+    # several times a replay's time there), until one of its rounds is timed: its next one likely
+    # costs that again.
+    untimed_ms: dict[Setting, float] = field(default_factory=dict)
     rounds: int = 0
     first_contact: bool | None = None  # no bucket had run a round when this one first decided
 
@@ -259,7 +263,8 @@ class Rule:
         def loss(e):  # what a round of it is expected to lose against the choice, in ms (an arm not seen:
             # what it would surely lose: its guess is optimistic, the trees it covers gain at least)
             gain = e.gain if e.seen else e.sure
-            return e.ms - 1000.0 * gain / best.rate if best.rate > 0 else e.ms
+            ms = k.untimed_ms.get(e.setting, e.ms)
+            return ms - 1000.0 * gain / best.rate if best.rate > 0 else ms
 
         cheapest = min(hopeful, key=lambda e: (loss(e), -e.upper))
         # The credit lets first contact explore; it fades as the losses it paid for do. A bucket that
@@ -272,7 +277,12 @@ class Rule:
         if k.first_contact:
             credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
         allowed = self.explore_share * k.recent_ms + credit
-        if k.lost_ms <= allowed or (cheapest.seen and loss(cheapest) <= 0.0 and k.lost_ms <= FREE_PASS * allowed):
+        # A round whose time is known to be far above a replay's (an untimed one before) is explored
+        # only where the account has room for what it loses: one such round may cost many times the
+        # budget, which the account would then take long to work off.
+        room = loss(cheapest) if cheapest.setting in k.untimed_ms else 0.0
+        if k.lost_ms + max(room, 0.0) <= allowed or (cheapest.seen and loss(cheapest) <= 0.0
+                                                      and k.lost_ms <= FREE_PASS * allowed):
             return cheapest.setting, True
         return best.setting, False
 
@@ -299,9 +309,12 @@ class Rule:
             best = self.best(b)
             k.explore_ms += wall_ms
             # An exploration that beat the best arm pays back what earlier ones lost; a burst (another
-            # job) counts as the arm's usual time, as in its estimate.
+            # job) counts as the arm's usual time, as in its estimate. A round that was not timed (run
+            # eagerly on a graph runner: several times a replay's time there) counts all it took.
             usual = self.estimate(b, ran).ms
-            took = min(wall_ms, BURST * usual) if usual > 0 else wall_ms
+            took = min(wall_ms, BURST * usual) if usual > 0 and ms is not None else wall_ms
+            if ms is None:
+                k.untimed_ms[ran] = wall_ms
             delta = took - 1000.0 * gains.get(ran, 1.0) / best.rate if best.rate > 0 else took
             k.lost_ms = max(0.0, k.lost_ms + delta)
         k.total_ms += wall_ms
@@ -313,6 +326,8 @@ class Rule:
             st.decay(self.discount ** GAIN_PACE)  # what a round costs
         k.speed.decay(SPEED_DISCOUNT)
         prior = k.prior_ms.get(ran)
+        if ms is not None:
+            k.untimed_ms.pop(ran, None)
         if ms is not None and ms > 0 and prior:
             # A burst (another job, a page fault) moves the estimates by at most half of it again.
             usual = self._time(k, ran)[0]

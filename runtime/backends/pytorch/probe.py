@@ -12,7 +12,7 @@ import torch
 from treeflash_export.config import SamplingConfig, TreeConfig
 
 from ...sampling import GREEDY
-from .graphs import kept
+from .graphs import kept, round_key
 from .stages import STAGES, RoundStages
 
 # The timer's name for each stage method (the plain step's context is drafter work).
@@ -65,8 +65,12 @@ def stage_timer(stages: RoundStages, totals: dict[str, float], sync, marks: list
 class CostProbe:
     """Times whole rounds over slots 0..b-1 holding a dummy prompt (inside ``runner.probing``): the
     tuner's probe protocol (treeflash_runtime.tuner.prior). Parts: 'ar' (a plain step), 'round'
-    (setting=...: a whole round at that setting). With CUDA graphs on, each is captured once and its
-    replay is timed: the rounds that serve are replays, whose cost an eager call would overstate."""
+    (setting=...: a whole round at that setting; tree=...: the TreeConfig the tuner's plans will
+    carry for it). With CUDA graphs on, each is captured once and its replay is timed: the rounds
+    that serve are replays, whose cost an eager call would overstate. A tree round is captured in
+    the form the tuner's greedy rounds take (reporting its nodes) and kept in the runner's graphs:
+    exploring it later replays that graph, timed and at a replay's cost, instead of running eagerly
+    (several times slower on a GPU, and untimed)."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -82,7 +86,8 @@ class CostProbe:
             tree = TreeConfig(mode="ar").resolved(r.block_size)
         elif part == "round":
             s = params["setting"]
-            tree = TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m, top_k=s.top_k).resolved(r.block_size)
+            tree = params.get("tree") or TreeConfig(mode=s.mode, tree_size=s.tree_size, top_m=s.top_m,
+                                                    top_k=s.top_k).resolved(r.block_size)
         else:
             raise ValueError(f"unknown part {part!r}")
         bound = 0 if r.compiled or r.use_graphs else min(max(r.slots.host_len[:b]) + max(tree.tree_size, r.block_size),
@@ -90,7 +95,13 @@ class CostProbe:
         with kept(st.past_len, st.root, st.pending, st.pending_count, st.out, st.active,
                   after=r.forget_pending_bound) as restore:
             run = lambda: r.stages.run(b, tree, GREEDY, bound)  # noqa: E731
-            if r.use_graphs:
+            if r.use_graphs and tree.mode != "ar":
+                key = round_key(b, tree, GREEDY, True, None)  # the runner's key for the tuner's round
+                if key not in r.graphs:
+                    r.capture_round(key, b, tree, GREEDY, {"report": True})
+                    restore()
+                run = self.memo[key] = r.graphs[key]
+            elif r.use_graphs:
                 key = (part, b, tree)
                 if key not in self.memo:
                     self.memo[key] = r.graphs.capture(run, (), restore)

@@ -234,7 +234,7 @@ class TorchRunner(Runner):
             before = slots.pending_bound
             if key in self.graphs or plan.may_capture:
                 if key not in self.graphs:
-                    self._capture_round(key, b, tree, kind, dict(args, flush=flush))
+                    self.capture_round(key, b, tree, kind, dict(args, flush=flush))
                     captured = True
                 self.graphs[key]()
             else:  # not captured and not worth capturing yet: the captured form, eagerly (bound 0)
@@ -294,7 +294,9 @@ class TorchRunner(Runner):
             st.active.zero_()
             yield lambda: (restore(), st.active.zero_())
 
-    def _capture_round(self, key: tuple, b: int, tree: TreeConfig, kind: int, args: dict) -> None:
+    def capture_round(self, key: tuple, b: int, tree: TreeConfig, kind: int, args: dict) -> None:
+        """The round of ``tree`` over b slots (``args``: RoundStages.run's keywords) as the graph at
+        ``key`` (graphs.round_key), replayed by every later round with that key."""
         t0 = time.perf_counter()
         with self._scratch() as reset:
             self.graphs.add(key, lambda: self._round(b, tree, kind, **args), (), reset)
@@ -328,7 +330,7 @@ class TorchRunner(Runner):
             b, kind = item[1], item[2]
             key = round_key(b, self.deployment[b], kind, False, None)
             if key not in self.graphs:
-                self._capture_round(key, b, self.deployment[b], kind, {})
+                self.capture_round(key, b, self.deployment[b], kind, {})
         self.log(f"captured {len(todo)} CUDA graphs in {time.perf_counter() - t0:.1f}s")
 
     def probing(self, b: int, prompt_tokens: int = 64):
