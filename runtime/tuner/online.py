@@ -96,6 +96,7 @@ class TreeTuner:
         self._keep_prior = True
         self._configs: dict[Setting, TreeConfig] = {}
         self._current: dict[int, tuple[Setting, bool]] = {}  # bucket -> (setting, exploring) planned
+        self._explored: set[tuple[int, Setting]] = set()  # (bucket, setting) explored at least once
         self._bucket = 1
         self._saved_at = -float("inf")
         self._at_exit = False
@@ -230,10 +231,14 @@ class TreeTuner:
         self.used[s] += 1
         # Tree rounds report their verified nodes (what the smaller trees would have gained). On a graph
         # runner an exploration round replays the graph the cost probe kept (greedy rounds of the buckets
-        # it timed), else runs eagerly (a setting tried a few times is not worth a capture); plain
-        # decoding, the reference, is always worth one.
+        # it timed); else it runs eagerly the first time (once is not worth a capture) and is captured
+        # the next (a setting explored again keeps coming back: its replays then cost a fraction of an
+        # eager round, and are timed). Plain decoding, the reference, is always worth a capture.
+        capture = not exploring or s.mode == "ar" or (bucket, s) in self._explored
+        if exploring:
+            self._explored.add((bucket, s))
         return RoundPlan(tree=self._config(s), report_nodes=s.mode != "ar", keep_context=self.context,
-                         may_capture=not exploring or s.mode == "ar")
+                         may_capture=capture)
 
     def learn(self, report: RoundReport, running: list | None = None) -> None:
         b = self._bucket
@@ -251,7 +256,8 @@ class TreeTuner:
                         gains.setdefault(arm, []).append(g)
         mean = {arm: sum(v) / len(v) for arm, v in gains.items()}
         timed = not (report.captured or report.eager)
-        self.rule.learn(b, s, 1000.0 * report.seconds if timed else None, mean, exploring, 1000.0 * report.seconds)
+        self.rule.learn(b, s, 1000.0 * report.seconds if timed else None, mean, exploring, 1000.0 * report.seconds,
+                        eager=report.eager)
         self.save()
 
     def _config(self, s: Setting) -> TreeConfig:

@@ -129,9 +129,8 @@ class Bucket:
     explore_ms: float = 0.0  # ... of exploration rounds
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
     lost_ms: float = 0.0  # what exploration lost (beyond the best arm's time for its tokens), discounted
-    # What an arm's last exploration round took when it was not timed (run eagerly on a graph runner,
-    # several times a replay's time there), until one of its rounds is timed: its next one likely
-    # costs that again.
+    # What an arm's last exploration round took when it ran eagerly on a graph runner (several times a
+    # replay's time there, and untimed), until it runs from a graph: its next one likely costs that again.
     untimed_ms: dict[Setting, float] = field(default_factory=dict)
     rounds: int = 0
     first_contact: bool | None = None  # no bucket had run a round when this one first decided
@@ -297,11 +296,11 @@ class Rule:
         return max(ok or est.values(), key=lambda e: (e.rate, -e.ms))
 
     def learn(self, b: int, ran: Setting, ms: float | None, gains: dict[Setting, float], explored: bool,
-              wall_ms: float) -> None:
+              wall_ms: float, eager: bool = False) -> None:
         """A round of ``ran`` at bucket b: ms, its time when it was a replay of the code that serves
         (None for a round that captured a graph or ran eagerly on a graph runner); gains: tokens per
         slot for ``ran`` and, in hindsight, for the smaller trees it covers; wall_ms: what it took
-        anyway (the exploration budget counts it)."""
+        anyway (the exploration budget counts it); eager: it ran without its graph on a graph runner."""
         k = self._started(b)
         k.recent_ms *= self.discount
         k.lost_ms *= self.discount
@@ -313,7 +312,7 @@ class Rule:
             # eagerly on a graph runner: several times a replay's time there) counts all it took.
             usual = self.estimate(b, ran).ms
             took = min(wall_ms, BURST * usual) if usual > 0 and ms is not None else wall_ms
-            if ms is None:
+            if eager:
                 k.untimed_ms[ran] = wall_ms
             delta = took - 1000.0 * gains.get(ran, 1.0) / best.rate if best.rate > 0 else took
             k.lost_ms = max(0.0, k.lost_ms + delta)
@@ -326,8 +325,8 @@ class Rule:
             st.decay(self.discount ** GAIN_PACE)  # what a round costs
         k.speed.decay(SPEED_DISCOUNT)
         prior = k.prior_ms.get(ran)
-        if ms is not None:
-            k.untimed_ms.pop(ran, None)
+        if not eager:
+            k.untimed_ms.pop(ran, None)  # it runs from a graph now
         if ms is not None and ms > 0 and prior:
             # A burst (another job, a page fault) moves the estimates by at most half of it again.
             usual = self._time(k, ran)[0]
