@@ -132,6 +132,7 @@ class Bucket:
     # What an arm's last exploration round took when it ran eagerly on a graph runner (several times a
     # replay's time there, and untimed), until it runs from a graph: its next one likely costs that again.
     untimed_ms: dict[Setting, float] = field(default_factory=dict)
+    decided: tuple | None = None  # (estimates, choice) of the last decision, for the round that follows
     rounds: int = 0
     first_contact: bool | None = None  # no bucket had run a round when this one first decided
 
@@ -153,6 +154,7 @@ class Rule:
         self.gain: dict[Setting, Stat] = {}
         self.step: dict[Setting, Stat] = {}
         self._family: dict[Setting, list[Setting]] = {}  # family_up_to's answers (the arms do not change)
+        self._top_trees: list[Setting] | None = None  # _tops' answer
 
     def bucket(self, b: int) -> Bucket:
         """Bucket b's estimates. Round times are the bucket's own; tokens per round per slot are one
@@ -169,7 +171,19 @@ class Rule:
         bonus token; an arm never seen is bounded below by that alone), over its round time give or
         take z standard errors."""
         k = self.bucket(b)
-        gain, gain_se, seen, sure = self._gain(k, s)
+        return self._estimate(k, s, self._gain(k, s))
+
+    def estimates(self, b: int) -> dict[Setting, Estimate]:
+        """Every arm's estimate (each family's gains walked once: this runs every round, and on a GPU
+        a round takes a few milliseconds)."""
+        k = self.bucket(b)
+        gains = {PLAIN: (1.0, 0.0, True, 1.0)}
+        for top in self._tops():
+            gains.update(self._family_gains(k, top))
+        return {s: self._estimate(k, s, gains[s]) for s in self.arms}
+
+    def _estimate(self, k: Bucket, s: Setting, gain_of: tuple[float, float, bool, float]) -> Estimate:
+        gain, gain_se, seen, sure = gain_of
         ms, rel_se, measured = self._time(k, s)
         ms_se = rel_se * ms
         most = 1.0 if s.mode == "ar" else float(min(s.tree_size, self.block_size))
@@ -202,21 +216,32 @@ class Rule:
         gain, with an error of half its extra tokens (and GAIN_FLOOR)."""
         if s.mode == "ar":
             return 1.0, 0.0, True, 1.0
-        chain = self.family_up_to(s)
+        return self._family_gains(k, s)[s]
+
+    def _family_gains(self, k: Bucket, top: Setting) -> dict[Setting, tuple[float, float, bool, float]]:
+        """_gain of every arm of top's family up to top, walking the family once."""
+        out = {}
         mean = var = 0.0
         known = None  # (the largest tree of the chain that rounds told of, its gain)
-        for i, o in enumerate(chain):
+        told = True  # every smaller tree of the family was told of
+        for i, o in enumerate(self.family_up_to(top)):
             st = k.gain.get(o) if i == 0 else k.step.get(o)
-            if st is None or st.n < SEEN:
-                break
-            if i == 0:
-                mean, var = st.mean, st.se(GAIN_FLOOR + 0.5 * (st.mean - 1.0)) ** 2
+            told = told and st is not None and st.n >= SEEN
+            if told:
+                if i == 0:
+                    mean, var = st.mean, st.se(GAIN_FLOOR + 0.5 * (st.mean - 1.0)) ** 2
+                else:
+                    mean, var = mean + max(st.mean, 0.0), var + st.se(STEP_FLOOR) ** 2
+                mean = min(mean, float(min(o.tree_size, self.block_size)))  # a round gains at most min(N, B)
+                known = (o, mean)
+                out[o] = (mean, math.sqrt(var), True, mean)
             else:
-                mean, var = mean + max(st.mean, 0.0), var + st.se(STEP_FLOOR) ** 2
-            mean = min(mean, float(min(o.tree_size, self.block_size)))  # a round gains at most min(N, B)
-            known = (o, mean)
-        if known is not None and known[0] == s:
-            return mean, math.sqrt(var), True, mean
+                out[o] = self._unseen_gain(k, o, known)
+        return out
+
+    def _unseen_gain(self, k: Bucket, s: Setting, known) -> tuple[float, float, bool, float]:
+        """_gain of a tree past the part of its family that rounds told of (known: the largest tree of
+        that part and its gain, or None)."""
         sure = known[1] if known else 1.0
         own = k.gain.get(s)  # rounds that told its gain alone (a runner that reports no nodes)
         if own is not None and own.n >= SEEN:
@@ -228,6 +253,13 @@ class Rule:
             guess = 1.0 + 0.5 * (most - 1.0)
         guess = min(max(guess, sure), most)
         return guess, GAIN_FLOOR + 0.5 * (guess - 1.0), False, sure
+
+    def _tops(self) -> list[Setting]:
+        """The largest tree of each family (a family's every arm is among the trees it covers)."""
+        if self._top_trees is None:
+            trees = [s for s in self.arms if s.mode != "ar"]
+            self._top_trees = [s for s in trees if not any(o != s and covers(o, s) for o in trees)]
+        return self._top_trees
 
     def family_up_to(self, s: Setting) -> list[Setting]:
         """The arms of s's family no larger than s, smallest first (s last)."""
@@ -248,9 +280,10 @@ class Rule:
 
     def decide(self, b: int) -> tuple[Setting, bool]:
         """(the setting of bucket b's next round, whether it is an exploration round)."""
-        est = {s: self.estimate(b, s) for s in self.arms}
+        est = self.estimates(b)
         best = self._choice(est)
         k = self._started(b)
+        k.decided = est, best  # what the round's learn needs (nothing changes in between)
         plain = est.get(PLAIN)
         if plain is not None and not plain.measured and best.setting != PLAIN:
             # The reference first: its rate is known once its time is, and its rounds are the cheapest.
@@ -302,15 +335,16 @@ class Rule:
         slot for ``ran`` and, in hindsight, for the smaller trees it covers; wall_ms: what it took
         anyway (the exploration budget counts it); eager: it ran without its graph on a graph runner."""
         k = self._started(b)
+        decided, k.decided = k.decided, None
         k.recent_ms *= self.discount
         k.lost_ms *= self.discount
         if explored:  # what the round lost against the best arm as it stood
-            best = self.best(b)
+            est, best = decided if decided is not None else (lambda e: (e, self._choice(e)))(self.estimates(b))
             k.explore_ms += wall_ms
             # An exploration that beat the best arm pays back what earlier ones lost; a burst (another
             # job) counts as the arm's usual time, as in its estimate. A round that was not timed (run
             # eagerly on a graph runner: several times a replay's time there) counts all it took.
-            usual = self.estimate(b, ran).ms
+            usual = est[ran].ms if ran in est else self.estimate(b, ran).ms
             took = min(wall_ms, BURST * usual) if usual > 0 and ms is not None else wall_ms
             if eager:
                 k.untimed_ms[ran] = wall_ms
@@ -351,7 +385,7 @@ class Rule:
             st.cap(NEW_REQUEST_CAP)
 
     def best(self, b: int) -> Estimate:
-        return self._choice({s: self.estimate(b, s) for s in self.arms})
+        return self._choice(self.estimates(b))
 
     # ------------------------------------------------------------------ persistence
 

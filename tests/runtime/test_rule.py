@@ -176,6 +176,22 @@ def test_a_larger_trees_gain_is_the_smaller_ones_plus_the_step_their_shared_roun
     assert not big.seen and big.sure == pytest.approx(e.gain) and big.gain >= e.gain
 
 
+def test_every_arms_estimate_at_once_equals_each_arms_own():
+    """The rule prices every arm each round in one walk per family (cheap enough for a GPU's
+    few-millisecond rounds); that walk gives each arm the estimate it gets alone: nothing seen, a
+    family seen up to a size, a gap in the middle of a family (a step that aged out), the chain."""
+    prior = {PLAIN: 10.0, CHAIN: 20.0, **{t: 12.0 + t.tree_size / 4 for t in TREES}}
+    rule = rule_with(prior)
+    states = [lambda: None,
+              lambda: feed(rule, TREES[2], 14.0, {TREES[0]: 2.0, TREES[1]: 2.5, TREES[2]: 2.9}, times=3),
+              lambda: rule.step.pop(TREES[1]),
+              lambda: feed(rule, CHAIN, 20.0, {CHAIN: 2.2}, times=2),
+              lambda: feed(rule, TREES[4], 30.0, {t: 3.0 for t in TREES}, times=2)]
+    for change in states:
+        change()
+        assert rule.estimates(1) == {s: rule.estimate(1, s) for s in ARMS}
+
+
 def test_candidates_are_one_family_per_mode_and_explicit_values_win():
     cands = candidate_settings(("ar", "chain", "marginal", "treeflash"), B, max_tree_size=16)
     assert PLAIN in cands and CHAIN in cands
