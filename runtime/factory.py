@@ -43,12 +43,14 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
                              log=None, cuda_graphs: bool = True, compile_steps: bool = False,
                              fast_kernels: bool | None = None, max_batch: int = 0,
                              tree_size_by_batch: dict[int, int] | None = None, mode_auto: bool = False,
-                             draft_vocab: int | None = None) -> Session:
+                             draft_vocab: int | None = None, capture_at_start: bool = True) -> Session:
     """model None: SmolLM2-135M-Instruct (converted on first use, progress through ``log``, which
     also reports CUDA graph captures) with ``drafter``, or with the demo drafter when that is None
     too. mode_auto: the self-tuning tree picks the mode, so a drafter without a head (DFlash) gets
     the marginal tree as its deployment tree instead of an error. draft_vocab: how many tokens the
-    drafter ranks (None: its draft-vocab.json, else all; 0: all; see TorchRunner)."""
+    drafter ranks (None: its draft-vocab.json, else all; 0: all; see TorchRunner). capture_at_start:
+    with request slots and CUDA graphs, capture the deployment tree's rounds at start-up (False
+    where the self-tuning tree will plan every round: it runs other graphs)."""
     from treeflash_export.checkpoints import eos_token_ids, load_pair, parse_dtype
 
     from .backends import get_runner_class
@@ -77,7 +79,8 @@ def session_from_checkpoints(model: str | None, drafter: str | None, tree: TreeC
 
         runner = TorchRunner(pair.verifier, pair.drafter, max_batch=max_batch, capacity=capacity, tree=tree,
                              tree_size_by_batch=tree_size_by_batch, cuda_graphs=cuda_graphs,
-                             compile=compile_steps, fast_kernels=fast_kernels, draft_vocab=draft_vocab, log=log)
+                             compile=compile_steps, fast_kernels=fast_kernels, draft_vocab=draft_vocab, log=log,
+                             capture_at_start=capture_at_start)
     else:
         runner = get_runner_class(backend)(pair.verifier, pair.drafter, capacity=capacity, cuda_graphs=cuda_graphs,
                                            compile=compile_steps, fast_kernels=fast_kernels, draft_vocab=draft_vocab,

@@ -131,7 +131,8 @@ def load_session(*, model, drafter, artifacts, verify_checksums, mode, tree_size
         sess = session_from_checkpoints(model or None, drafter, tree, max_seq_len or DEFAULT_CAPACITY, backend,
                                         device, dtype, log=log, cuda_graphs=cuda_graphs, compile_steps=compile_steps,
                                         fast_kernels=kernels, mode_auto="mode" in auto,
-                                        draft_vocab=None if draft_vocab == "auto" else draft_vocab, **batch)
+                                        draft_vocab=None if draft_vocab == "auto" else draft_vocab,
+                                        capture_at_start=not auto, **batch)
         if auto:
             sess.tuner = build_tuner(sess, {k: v for k, v in given.items() if k in TUNED}, retune=retune, log=log)
         return sess

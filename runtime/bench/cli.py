@@ -257,9 +257,11 @@ def _batching_main(artifacts, model, drafter, modes, tree_sizes, top_m, top_k, p
         else:
             largest = TreeConfig(mode="treeflash", tree_size=max(int(n) for n in _split(tree_sizes)), top_m=top_m,
                                  top_k=top_k)
+            # The deployment's rounds are captured at start-up only where a fixed tree variant runs them.
             sess = session_from_checkpoints(model, drafter, largest, max_seq_len or DEFAULT_CAPACITY, "torch", device,
                                             cuda_graphs=cuda_graphs, log=log, mode_auto="auto" in mode_list,
-                                            draft_vocab=draft_vocab, **batch)
+                                            draft_vocab=draft_vocab, **batch,
+                                            capture_at_start=any(m not in ("auto", "ar", "chain") for m in mode_list))
             variants = []
             for m in [m for m in mode_list if m != "ar"] + ["ar"]:
                 if m == "auto":

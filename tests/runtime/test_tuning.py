@@ -381,6 +381,32 @@ def tuner_setting(tree: TreeConfig):
     return Setting(tree.mode, tree.tree_size, tree.top_m, tree.top_k)
 
 
+@pytest.mark.parametrize("given,captures", [({}, False), ({"tree_size": 16}, False),
+                                             ({"mode": "treeflash", "tree_size": 16, "top_m": 4, "top_k": 8}, True)])
+def test_a_tuned_session_does_not_capture_the_deployment_trees_rounds_at_start(monkeypatch, given, captures):
+    """With request slots and CUDA graphs a runner captures its deployment tree's rounds for every
+    bucket and sampling kind at start-up (16 graphs on an H200 at 8 slots). The self-tuning tree plans
+    every round itself and never replays them, so a session it tunes skips that capture."""
+    import treeflash_runtime.factory as factory
+    from types import SimpleNamespace
+
+    from treeflash_runtime.options import load_session
+
+    seen = {}
+
+    def fake_session(*args, **kwargs):
+        seen.update(kwargs)
+        return SimpleNamespace(tuner=None)
+
+    monkeypatch.setattr(factory, "session_from_checkpoints", fake_session)
+    monkeypatch.setattr(factory, "build_tuner", lambda sess, fixed, **kwargs: "tuner")
+    options = {**dict(mode=None, tree_size=None, top_m=None, top_k=None), **given}
+    sess = load_session(model="verifier", drafter="drafter", artifacts=None, verify_checksums=True,
+                        drafter_temperature=None, max_seq_len=128, device="cpu", dtype="auto", cuda_graphs=True,
+                        fast_kernels="auto", max_batch=8, **options)
+    assert seen["capture_at_start"] is captures and (sess.tuner == "tuner") is not captures
+
+
 def test_a_round_reports_its_verified_nodes(load):
     """A round asked for its nodes reports the verified tree's: one per node but the root, their path
     scores best first and the accepted ones exactly the path the round committed (so a smaller tree's
