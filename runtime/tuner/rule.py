@@ -17,8 +17,9 @@ counts once its lower confidence bound beats plain decoding's rate; while other 
 beat the choice, explore the one that surely loses least, as long as exploration has lost less than
 ``explore_share`` of the bucket's recent time (plus a small credit at first contact, for the bucket
 that runs first; an arm whose mean loses nothing, up to FREE_PASS times that). An exploration round
-loses the time it took beyond what the choice would have taken for the tokens it gained: trying a
-tree that costs little more than the choice costs little. Plain decoding's time is measured first
+loses the time it took beyond what the choice would have taken for the tokens the arm gains (by its
+estimate after the round, not the round's draw): trying a tree that costs little more than the
+choice costs little. Plain decoding's time is measured first
 (its gain is known, so its rate is once its time is). Every estimate is discounted a round, so a
 request that changes character is followed.
 
@@ -338,18 +339,18 @@ class Rule:
         decided, k.decided = k.decided, None
         k.recent_ms *= self.discount
         k.lost_ms *= self.discount
-        if explored:  # what the round lost against the best arm as it stood
+        charge = None
+        if explored:
             est, best = decided if decided is not None else (lambda e: (e, self._choice(e)))(self.estimates(b))
             k.explore_ms += wall_ms
-            # An exploration that beat the best arm pays back what earlier ones lost; a burst (another
-            # job) counts as the arm's usual time, as in its estimate. A round that was not timed (run
-            # eagerly on a graph runner: several times a replay's time there) counts all it took.
+            # A burst (another job) counts as the arm's usual time, as in its estimate. A round that was
+            # not timed (run eagerly on a graph runner: several times a replay's time there) counts all
+            # it took.
             usual = est[ran].ms if ran in est else self.estimate(b, ran).ms
             took = min(wall_ms, BURST * usual) if usual > 0 and ms is not None else wall_ms
             if eager:
                 k.untimed_ms[ran] = wall_ms
-            delta = took - 1000.0 * gains.get(ran, 1.0) / best.rate if best.rate > 0 else took
-            k.lost_ms = max(0.0, k.lost_ms + delta)
+            charge = took, best.rate  # what it took, and the rate of the choice it is measured against
         k.total_ms += wall_ms
         k.recent_ms += wall_ms
         k.rounds += 1
@@ -378,6 +379,15 @@ class Rule:
             below = self.family_up_to(s)[:-1]
             if below and below[-1] in told:
                 k.step.setdefault(s, Stat()).add(g - told[below[-1]])
+        if charge is not None:
+            # What the exploration lost against the choice as it stood: its time less the choice's for
+            # the tokens the arm gains by its estimate after this round, not by this round's draw (a
+            # drafter that accepts 2.3 tokens a round on average gains 1 in a quarter of its rounds:
+            # charged by draws, the budget stops exploring on bad luck). An arm that gains more than
+            # the choice for its time pays back what earlier explorations lost.
+            took, rate = charge
+            got = self._gain(k, ran)[0]
+            k.lost_ms = max(0.0, k.lost_ms + (took - 1000.0 * got / rate if rate > 0 else took))
 
     def new_request(self, b: int) -> None:
         """A request starts alone: earlier requests' gains weigh at most NEW_REQUEST_CAP rounds."""
