@@ -19,9 +19,8 @@ beat the choice, explore the one that surely loses least, as long as exploration
 that runs first; an arm whose mean loses nothing, up to FREE_PASS times that). An exploration round
 loses the time it took beyond what the choice would have taken for the tokens the arm gains (by its
 estimate after the round, not the round's draw): trying a tree that costs little more than the
-choice costs little. Plain decoding's time is measured first
-(its gain is known, so its rate is once its time is). Every estimate is discounted a round, so a
-request that changes character is followed.
+choice costs little. Plain decoding's time is measured first (its gain is known, so its rate is once
+its time is). Every estimate is discounted a round, so a request that changes character is followed.
 
 Pure: no runner, no tensors, no clock; ``learn`` takes what a round measured.
 """
@@ -313,9 +312,9 @@ class Rule:
         # A round whose time is known to be far above a replay's (an untimed one before) is explored
         # only where the account has room for what it loses: one such round may cost many times the
         # budget, which the account would then take long to work off.
-        room = loss(cheapest) if cheapest.setting in k.untimed_ms else 0.0
-        if k.lost_ms + max(room, 0.0) <= allowed or (cheapest.seen and loss(cheapest) <= 0.0
-                                                      and k.lost_ms <= FREE_PASS * allowed):
+        expected = loss(cheapest)
+        room = max(expected, 0.0) if cheapest.setting in k.untimed_ms else 0.0
+        if k.lost_ms + room <= allowed or (cheapest.seen and expected <= 0.0 and k.lost_ms <= FREE_PASS * allowed):
             return cheapest.setting, True
         return best.setting, False
 
@@ -341,12 +340,15 @@ class Rule:
         k.lost_ms *= self.discount
         charge = None
         if explored:
-            est, best = decided if decided is not None else (lambda e: (e, self._choice(e)))(self.estimates(b))
+            if decided is None:  # learn without a decision (tests): the estimates as they stand
+                est = self.estimates(b)
+                decided = est, self._choice(est)
+            est, best = decided
             k.explore_ms += wall_ms
             # A burst (another job) counts as the arm's usual time, as in its estimate. A round that was
             # not timed (run eagerly on a graph runner: several times a replay's time there) counts all
             # it took.
-            usual = est[ran].ms if ran in est else self.estimate(b, ran).ms
+            usual = est[ran].ms
             took = min(wall_ms, BURST * usual) if usual > 0 and ms is not None else wall_ms
             if eager:
                 k.untimed_ms[ran] = wall_ms
