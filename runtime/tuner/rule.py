@@ -45,6 +45,7 @@ FITTED_SPREAD = 0.1  # ... once two rounds have told the machine's speed
 TIME_FLOOR = 0.05  # relative standard deviation a round time is assumed to have at least
 GAIN_FLOOR = 0.25  # tokens: the standard deviation a tree's gain is assumed to have at least ...
 STEP_FLOOR = 0.1  # ... and a size's step over the next smaller one
+STEP_PRIOR = 0.5  # tokens: the spread of a step pooled (as one round) with the rounds that told it
 GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens more per doubling of N
 SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
             # standard error grows as they age: an arm not run lately is explored again)
@@ -76,10 +77,12 @@ class Stat:
             self.m2 *= most / self.n
             self.n = most
 
-    def se(self, floor_sd: float) -> float:
-        """Standard error of the mean, with a floor on the standard deviation (few rounds say little)."""
+    def se(self, floor_sd: float, prior_sd: float = 0.0) -> float:
+        """Standard error of the mean, with a floor on the standard deviation, and the rounds' variance
+        pooled with one round of prior_sd's (a few rounds that happen to agree say little)."""
         var = self.m2 / self.n if self.n > 0 else 0.0
-        return math.sqrt(max(var, floor_sd * floor_sd) / max(self.n, 1e-9))
+        var = max(var, floor_sd * floor_sd, (self.m2 + prior_sd * prior_sd) / (self.n + 1.0))
+        return math.sqrt(var / max(self.n, 1e-9))
 
     def to_json(self) -> list:
         return [self.n, self.mean, self.m2]
@@ -229,9 +232,9 @@ class Rule:
             told = told and st is not None and st.n >= SEEN
             if told:
                 if i == 0:
-                    mean, var = st.mean, st.se(GAIN_FLOOR + 0.5 * (st.mean - 1.0)) ** 2
+                    mean, var = st.mean, self._gain_se(st, o) ** 2
                 else:
-                    mean, var = mean + max(st.mean, 0.0), var + st.se(STEP_FLOOR) ** 2
+                    mean, var = mean + max(st.mean, 0.0), var + st.se(STEP_FLOOR, STEP_PRIOR) ** 2
                 mean = min(mean, float(min(o.tree_size, self.block_size)))  # a round gains at most min(N, B)
                 known = (o, mean)
                 out[o] = (mean, math.sqrt(var), True, mean)
@@ -245,7 +248,7 @@ class Rule:
         sure = known[1] if known else 1.0
         own = k.gain.get(s)  # rounds that told its gain alone (a runner that reports no nodes)
         if own is not None and own.n >= SEEN:
-            return max(own.mean, sure), own.se(GAIN_FLOOR + 0.5 * (own.mean - 1.0)), True, sure
+            return max(own.mean, sure), self._gain_se(own, s), True, sure
         most = float(min(s.tree_size, self.block_size))
         if known:
             guess = sure + GROWTH * (sure - 1.0) * math.log2(s.tree_size / known[0].tree_size)
@@ -253,6 +256,12 @@ class Rule:
             guess = 1.0 + 0.5 * (most - 1.0)
         guess = min(max(guess, sure), most)
         return guess, GAIN_FLOOR + 0.5 * (guess - 1.0), False, sure
+
+    def _gain_se(self, st: Stat, s: Setting) -> float:
+        """The standard error of a tree's mean gain: its rounds' spread (at least GAIN_FLOOR and half
+        the extra tokens), pooled with one round of what an unseen tree's guess is given."""
+        guess = 1.0 + 0.5 * (min(s.tree_size, self.block_size) - 1.0)
+        return st.se(GAIN_FLOOR + 0.5 * (st.mean - 1.0), GAIN_FLOOR + 0.5 * (guess - 1.0))
 
     def _tops(self) -> list[Setting]:
         """The largest tree of each family (a family's every arm is among the trees it covers)."""

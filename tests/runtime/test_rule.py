@@ -140,6 +140,22 @@ def test_an_untimed_exploration_counts_all_it_took_and_is_tried_again_only_with_
     assert rule.decide(1) == (TREES[0], True)
 
 
+def test_one_unlucky_round_does_not_rule_a_tree_out_several_do():
+    """A drafter that gains 2.3 tokens a round gains one in about a quarter of its rounds: a tree whose
+    first round gained one token stays worth exploring (its rounds' spread is pooled with one round of
+    the spread an unseen tree is given, not taken from rounds that happen to agree), and is ruled out
+    once several rounds agree (it then gains one token a round, at 1.5 plain steps)."""
+    rule = rule_with({PLAIN: 10.0, TREES[0]: 15.0}, arms=[PLAIN, TREES[0]])
+    feed(rule, PLAIN, 10.0, times=20)
+    feed(rule, TREES[0], 15.0, {TREES[0]: 1.0})
+    assert rule.estimate(1, TREES[0]).upper > rule.estimate(1, PLAIN).rate
+    rule.bucket(1).lost_ms = 0.0
+    assert rule.decide(1) == (TREES[0], True)
+    feed(rule, TREES[0], 15.0, {TREES[0]: 1.0}, times=3)
+    assert rule.estimate(1, TREES[0]).upper < rule.estimate(1, PLAIN).rate
+    assert rule.decide(1) == (PLAIN, False)
+
+
 def test_an_arm_whose_upper_bound_cannot_beat_the_best_is_not_explored():
     """Trees measured slow and gaining nothing are not explored again, however much budget is left;
     the chain, never run, still is (its bound is wide)."""
