@@ -108,6 +108,7 @@ class Estimate:
     measured: bool  # its round time comes from its own rounds
     seen: bool = True  # its gain comes from rounds (its own or, in hindsight, a larger tree's)
     sure: float = 1.0  # tokens per round it gains at least (the most a tree it covers gained)
+    fast_ms: float = 0.0  # its round time's lower bound (the upper bound's)
 
     def to_json(self) -> dict:
         s = self.setting
@@ -195,7 +196,7 @@ class Rule:
         hi = min(most, gain + zu * gain_se) if seen else most  # never run: it may gain all it can
         fast, slow = max(ms - zu * ms_se, 1e-6), ms + zl * ms_se
         return Estimate(s, gain, ms, 1000.0 * gain / ms, 1000.0 * lo / slow, 1000.0 * hi / fast, measured, seen,
-                        sure)
+                        sure, fast)
 
     def _time(self, k: Bucket, s: Setting) -> tuple[float, float, bool]:
         """Milliseconds per round, its relative standard error, and whether the arm's own rounds told
@@ -297,7 +298,7 @@ class Rule:
         if plain is not None and not plain.measured and best.setting != PLAIN:
             # The reference first: its rate is known once its time is, and its rounds are the cheapest.
             return PLAIN, True
-        hopeful = [e for e in est.values() if e.setting != best.setting and e.upper > best.rate]
+        hopeful = [e for e in est.values() if e.setting != best.setting and self._hopes(e, best)]
         if not hopeful:
             return best.setting, False
 
@@ -326,6 +327,15 @@ class Rule:
         if k.lost_ms + room <= allowed or (cheapest.seen and expected <= 0.0 and k.lost_ms <= FREE_PASS * allowed):
             return cheapest.setting, True
         return best.setting, False
+
+    @staticmethod
+    def _hopes(e: Estimate, best: Estimate) -> bool:
+        """Whether e's upper bound beats the choice. For a tree the choice covers, only its round time's
+        bound counts: the choice's rounds tell its gain anyway (exploring it for its gain would buy
+        nothing, and a near tie would be explored round after round)."""
+        if e.seen and e.measured and covers(best.setting, e.setting):
+            return 1000.0 * e.gain / e.fast_ms > best.rate
+        return e.upper > best.rate
 
     @staticmethod
     def _choice(est: dict[Setting, Estimate]) -> Estimate:

@@ -156,6 +156,27 @@ def test_one_unlucky_round_does_not_rule_a_tree_out_several_do():
     assert rule.decide(1) == (PLAIN, False)
 
 
+def test_a_tree_the_choice_covers_is_explored_for_its_time_only():
+    """The 8-node tree is the choice; the 4-node tree, which it covers, is a near tie (2.2 tokens in
+    100 ms against 2.8 in 118). The choice's rounds tell the smaller tree's gain, so exploring it would
+    buy nothing of that: it is explored while its own round time is uncertain (never measured), not
+    round after round on its gain's error bar."""
+    rule = rule_with({PLAIN: 55.0, TREES[0]: 100.0, TREES[1]: 118.0}, arms=[PLAIN, TREES[0], TREES[1]])
+    feed(rule, PLAIN, 55.0, times=5)
+    for g4, g8 in [(1.0, 2.0), (3.0, 4.0), (2.0, 2.0), (3.0, 3.0), (2.0, 3.0)] * 2:
+        feed(rule, TREES[1], 118.0, {TREES[0]: g4, TREES[1]: g8})
+    k = rule.bucket(1)
+    k.lost_ms = 0.0
+    small, best = rule.estimate(1, TREES[0]), rule.best(1)
+    assert best.setting == TREES[1] and not small.measured and small.upper > best.rate
+    assert rule.decide(1) == (TREES[0], True)  # its time: the prior's
+    feed(rule, TREES[0], 100.0, {TREES[0]: 2.0}, explored=True)
+    k.lost_ms = 0.0
+    small = rule.estimate(1, TREES[0])
+    assert small.measured and small.upper > best.rate  # its gain's bound alone would have it explored again
+    assert rule.decide(1) == (TREES[1], False)
+
+
 def test_an_arm_whose_upper_bound_cannot_beat_the_best_is_not_explored():
     """Trees measured slow and gaining nothing are not explored again, however much budget is left;
     the chain, never run, still is (its bound is wide)."""
