@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 
+import click
 import pytest
 
 from treeflash_runtime.tuner.rule import (CREDIT_PLAIN_STEPS, EXPLORE_SHARE, FREE_PASS, LOAD_CAP, Rule, Stat, covers,
@@ -409,3 +410,59 @@ def test_tokens_per_round_are_shared_by_the_buckets_and_times_are_not():
     e = rule.estimate(4, TREES[1])
     assert e.seen and e.gain == pytest.approx(3.0) and not e.measured and e.ms == pytest.approx(15.0)
     assert rule.estimate(1, TREES[1]).measured
+
+
+# ---- the simulator over more runs (a summary for docs/results, not a test) ------------------------
+# python tests/runtime/test_rule.py --runs 20 prints, per case, the realised tokens/s summed over the
+# runs as a share of the best fixed arm's (of plain decoding's where no tree pays), and the worst run:
+# - cpu-like / gpu-like: the tests' machines, 200 rounds, the prior off by -30% and +30%; acceptance
+#   none, steady, drifting down or up at round 100;
+# - demo-like / one-core-like: round times of the demo pair on a 2-core CPU and on one core, 40 rounds
+#   (a 96-token reply), the prior off by -30%, 0 and +30%; acceptance as the tests draw it (a quarter
+#   of rounds gain one token) or none;
+# - demo draws: the same machines, 32 rounds, with draws closer to the demo prompt's (4% of rounds gain
+#   one token, the rest one more than an exponential of mean 1.6), 10% jitter and 5% bursts.
+
+DEMO_MS = {PLAIN: 55.0, **dict(zip(TREES, (93.0, 112.0, 130.0, 154.0, 208.0)))}
+ONE_CORE_MS = {PLAIN: 100.0, **dict(zip(TREES, (150.0, 172.0, 195.0, 240.0, 330.0)))}
+
+
+class DemoDraws(Arms):
+    """Acceptance closer to the demo prompt's: few rounds gain only the bonus token."""
+
+    def draw(self, i: int) -> tuple[int, float, bool]:
+        L = 0 if self.rng.random() < 0.04 else 1 + int(self.rng.expovariate(1.0 / 1.6))
+        return min(B - 1, L), self.rng.uniform(0.9, 1.1), self.rng.random() < 0.05
+
+
+def _case(machine, depth, biases, runs, rounds, arms=Arms, spacing=1.6, against_plain=False) -> str:
+    got = ref = 0.0
+    worst = float("inf")
+    for bias in biases:
+        for seed in range(runs):
+            rate, by_arm = simulate(arms(machine, depth, spacing=spacing, seed=seed), bias, rounds=rounds)
+            best = by_arm[PLAIN] if against_plain else max(by_arm.values())
+            got, ref, worst = got + rate, ref + best, min(worst, rate / best)
+    return f"{got / ref:.3f} ({worst:.2f})"
+
+
+@click.command()
+@click.option("--runs", default=20, show_default=True, help="Seeds per prior bias.")
+def summary(runs: int) -> None:
+    """Prints one line per case: summed share of the best fixed arm (x plain where no tree pays), worst run."""
+    drifts = {"steady": lambda i: 2.5, "drifts down": lambda i: 2.5 if i < 100 else 1.0,
+              "drifts up": lambda i: 1.5 if i < 100 else 3.0}
+    for name, machine in (("cpu-like", CPU_MS), ("gpu-like", GPU_MS)):
+        click.echo(f"{name}, no tree pays (x plain): {_case(machine, lambda i: 0.0, BIASES, runs, 200, against_plain=True)}")
+        for drift, depth in drifts.items():
+            click.echo(f"{name}, {drift}: {_case(machine, depth, BIASES, runs, 200)}")
+    three = (-0.3, 0.0, 0.3)
+    for name, machine in (("demo-like", DEMO_MS), ("one-core-like", ONE_CORE_MS)):
+        click.echo(f"{name}, 40 rounds: {_case(machine, lambda i: 3.5, three, 2 * runs, 40, spacing=2.0)}")
+        click.echo(f"{name}, 40 rounds, no tree pays (x plain): "
+                   f"{_case(machine, lambda i: 0.0, three, 2 * runs, 40, spacing=2.0, against_plain=True)}")
+        click.echo(f"{name}, 32 rounds, demo draws: {_case(machine, None, three, 2 * runs, 32, DemoDraws, 2.5)}")
+
+
+if __name__ == "__main__":
+    summary()
