@@ -254,15 +254,18 @@ class Rule:
         if known:
             guess = sure + GROWTH * (sure - 1.0) * math.log2(s.tree_size / known[0].tree_size)
         else:
-            guess = 1.0 + 0.5 * (most - 1.0)
+            guess = self._first_guess(s)
         guess = min(max(guess, sure), most)
-        return guess, GAIN_FLOOR + 0.5 * (guess - 1.0), False, sure
+        return guess, _spread(guess), False, sure
+
+    def _first_guess(self, s: Setting) -> float:
+        """A tree's gain before any round told its family: half the most a round of it can gain."""
+        return 1.0 + 0.5 * (min(s.tree_size, self.block_size) - 1.0)
 
     def _gain_se(self, st: Stat, s: Setting) -> float:
-        """The standard error of a tree's mean gain: its rounds' spread (at least GAIN_FLOOR and half
-        the extra tokens), pooled with one round of what an unseen tree's guess is given."""
-        guess = 1.0 + 0.5 * (min(s.tree_size, self.block_size) - 1.0)
-        return st.se(GAIN_FLOOR + 0.5 * (st.mean - 1.0), GAIN_FLOOR + 0.5 * (guess - 1.0))
+        """The standard error of a tree's mean gain: its rounds' spread (at least _spread of their
+        mean), pooled with one round of the spread its first guess is given."""
+        return st.se(_spread(st.mean), _spread(self._first_guess(s)))
 
     def _tops(self) -> list[Setting]:
         """The largest tree of each family (a family's every arm is among the trees it covers)."""
@@ -443,6 +446,12 @@ class Rule:
                         st = Stat.from_json(raw)
                         st.cap(LOAD_CAP)
                         target[by_label[label]] = st
+
+
+def _spread(gain: float) -> float:
+    """The standard deviation a tree's gain of this mean is assumed to have at least (GAIN_FLOOR and
+    half its extra tokens)."""
+    return GAIN_FLOOR + 0.5 * (gain - 1.0)
 
 
 def covers(big: Setting, small: Setting) -> bool:
