@@ -14,13 +14,16 @@ Plain decoding gains exactly one token a round, so its rate is known once its ti
 
 One rule: run the arm with the best mean tokens per second among those rounds told of, where a tree
 counts once its lower confidence bound beats plain decoding's rate; while other arms' upper bounds
-beat the choice, explore the one that surely loses least, as long as exploration has lost less than
-``explore_share`` of the bucket's recent time (plus a small credit at first contact, for the bucket
-that runs first; an arm whose mean loses nothing, up to FREE_PASS times that). An exploration round
-loses the time it took beyond what the choice would have taken for the tokens the arm gains (by its
-estimate after the round, not the round's draw): trying a tree that costs little more than the
-choice costs little. Plain decoding's time is measured first (its gain is known, so its rate is once
-its time is). Every estimate is discounted a round, so a request that changes character is followed.
+beat the choice, explore the one that surely loses least (or the largest tree of its family whose
+round costs at most WIDER more: that round tells the smaller tree's gain too), as long as exploration
+has lost less than ``explore_share`` of the bucket's recent time (plus a small credit at first
+contact, for the bucket that runs first; an arm whose mean loses nothing, up to FREE_PASS times
+that). What exploration lost is valued with what is known now, after every round: each exploration
+round's time less what the choice now takes for the tokens its arm gains by its estimate now (not
+the round's draw). Exploring the arm that turned out best lost nothing; trying a tree that costs
+little more than the choice costs little. Plain decoding's time is measured first (its gain is
+known, so its rate is once its time is). Every estimate is discounted a round, so a request that
+changes character is followed.
 
 Pure: no runner, no tensors, no clock; ``learn`` takes what a round measured.
 """
@@ -46,6 +49,8 @@ TIME_FLOOR = 0.05  # relative standard deviation a round time is assumed to have
 GAIN_FLOOR = 0.25  # tokens: the standard deviation a tree's gain is assumed to have at least ...
 STEP_FLOOR = 0.1  # ... and a size's step over the next smaller one
 STEP_PRIOR = 0.5  # tokens: the spread of a step pooled (as one round) with the rounds that told it
+WIDER = 0.1  # exploration takes a larger tree of the family over a smaller one while a round of it
+             # costs at most this much more (its round tells the smaller tree's gain too)
 GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens more per doubling of N
 SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
             # standard error grows as they age: an arm not run lately is explored again)
@@ -132,7 +137,9 @@ class Bucket:
     total_ms: float = 0.0  # time of all rounds
     explore_ms: float = 0.0  # ... of exploration rounds
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
-    lost_ms: float = 0.0  # what exploration lost (beyond the best arm's time for its tokens), discounted
+    # Per arm, its exploration rounds: [what they took, how many], discounted as the estimates are.
+    explored: dict[Setting, list[float]] = field(default_factory=dict)
+    lost_ms: float = 0.0  # what they lost, valued after each round (see _lost)
     # What an arm's last exploration round took when it ran eagerly on a graph runner (several times a
     # replay's time there, and untimed), until it runs from a graph: its next one likely costs that again.
     untimed_ms: dict[Setting, float] = field(default_factory=dict)
@@ -305,13 +312,20 @@ class Rule:
         if not hopeful:
             return best.setting, False
 
+        def cost(e):  # what a round of it takes, in ms
+            return k.untimed_ms.get(e.setting, e.ms)
+
         def loss(e):  # what a round of it is expected to lose against the choice, in ms (an arm not seen:
             # what it would surely lose: its guess is optimistic, the trees it covers gain at least)
             gain = e.gain if e.seen else e.sure
-            ms = k.untimed_ms.get(e.setting, e.ms)
-            return ms - 1000.0 * gain / best.rate if best.rate > 0 else ms
+            return cost(e) - 1000.0 * gain / best.rate if best.rate > 0 else cost(e)
 
-        cheapest = min(hopeful, key=lambda e: (loss(e), -e.upper))
+        pick = min(hopeful, key=lambda e: (loss(e), -e.upper))
+        if pick.setting.mode != "ar":
+            # A larger hopeful tree of its family whose round costs little more tells its gain too (in
+            # hindsight), and its own: the largest within WIDER of its time is explored instead.
+            near = [e for e in hopeful if covers(e.setting, pick.setting) and cost(e) <= (1.0 + WIDER) * cost(pick)]
+            pick = max(near, key=lambda e: e.setting.tree_size)
         # The credit lets first contact explore; it fades as the losses it paid for do. A bucket that
         # starts after others ran has none: the gains it needs are known (the buckets share them), and
         # its round times follow from its prior and the machine's speed within its own budget. An arm whose
@@ -325,10 +339,10 @@ class Rule:
         # A round whose time is known to be far above a replay's (an untimed one before) is explored
         # only where the account has room for what it loses: one such round may cost many times the
         # budget, which the account would then take long to work off.
-        expected = loss(cheapest)
-        room = max(expected, 0.0) if cheapest.setting in k.untimed_ms else 0.0
-        if k.lost_ms + room <= allowed or (cheapest.seen and expected <= 0.0 and k.lost_ms <= FREE_PASS * allowed):
-            return cheapest.setting, True
+        expected = loss(pick)
+        room = max(expected, 0.0) if pick.setting in k.untimed_ms else 0.0
+        if k.lost_ms + room <= allowed or (pick.seen and expected <= 0.0 and k.lost_ms <= FREE_PASS * allowed):
+            return pick.setting, True
         return best.setting, False
 
     @staticmethod
@@ -359,8 +373,9 @@ class Rule:
         k = self._started(b)
         decided, k.decided = k.decided, None
         k.recent_ms *= self.discount
-        k.lost_ms *= self.discount
-        charge = None
+        for v in k.explored.values():
+            v[0] *= self.discount
+            v[1] *= self.discount
         if explored:
             if decided is None:  # learn without a decision (tests): the estimates as they stand
                 est = self.estimates(b)
@@ -374,7 +389,9 @@ class Rule:
             took = min(wall_ms, BURST * usual) if usual > 0 and ms is not None else wall_ms
             if eager:
                 k.untimed_ms[ran] = wall_ms
-            charge = took, best.rate  # what it took, and the rate of the choice it is measured against
+            v = k.explored.setdefault(ran, [0.0, 0.0])
+            v[0] += took
+            v[1] += 1.0
         k.total_ms += wall_ms
         k.recent_ms += wall_ms
         k.rounds += 1
@@ -403,15 +420,24 @@ class Rule:
             below = self.family_up_to(s)[:-1]
             if below and below[-1] in told:
                 k.step.setdefault(s, Stat()).add(g - told[below[-1]])
-        if charge is not None:
-            # What the exploration lost against the choice as it stood: its time less the choice's for
-            # the tokens the arm gains by its estimate after this round, not by this round's draw (a
-            # drafter that accepts 2.3 tokens a round on average gains 1 in a quarter of its rounds:
-            # charged by draws, the budget stops exploring on bad luck). An arm that gains more than
-            # the choice for its time pays back what earlier explorations lost.
-            took, rate = charge
-            got = self._gain(k, ran)[0]
-            k.lost_ms = max(0.0, k.lost_ms + (took - 1000.0 * got / rate if rate > 0 else took))
+        if k.explored:
+            k.lost_ms = self._lost(k, self.estimates(b))
+
+    def _lost(self, k: Bucket, est: dict[Setting, Estimate]) -> float:
+        """What the exploration rounds lost, valued with what is known now: each arm's rounds took their
+        time, less the time the choice now takes for the tokens the arm gains by its estimate now (not by
+        the rounds' draws: a drafter of 2.3 tokens a round gains 1 in a quarter of its rounds, and
+        charged by draws the budget stops exploring on bad luck). Valued now, not when each round ran:
+        exploring the tree that turned out best lost nothing, and first contact, which explores against
+        plain decoding before any tree is known, is not charged as if plain decoding had stayed the
+        choice. An arm that gains more than the choice for its time pays back what others lost."""
+        best = self._choice(est)
+        lost = 0.0
+        for s, (took, n) in k.explored.items():
+            e = est[s]
+            gain = e.gain if e.seen else e.sure
+            lost += took - n * 1000.0 * gain / best.rate if best.rate > 0 else took
+        return max(lost, 0.0)
 
     def new_request(self, b: int) -> None:
         """A request starts alone: earlier requests' gains weigh at most NEW_REQUEST_CAP rounds."""

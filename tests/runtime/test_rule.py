@@ -10,8 +10,8 @@ import random
 import click
 import pytest
 
-from treeflash_runtime.tuner.rule import (CREDIT_PLAIN_STEPS, EXPLORE_SHARE, FREE_PASS, LOAD_CAP, Rule, Stat, covers,
-                                          hindsight)
+from treeflash_runtime.tuner.rule import (CREDIT_PLAIN_STEPS, EXPLORE_SHARE, FREE_PASS, LOAD_CAP, WIDER, Rule, Stat,
+                                          covers, hindsight)
 from treeflash_runtime.tuner.setting import FAMILY, PLAIN, Setting, candidate_settings
 
 B = 8
@@ -34,14 +34,15 @@ def feed(rule: Rule, s: Setting, ms: float, gains: dict | None = None, times: in
 
 def test_first_contact_explores_the_most_hopeful_tree_then_follows_what_it_measured():
     """Nothing measured: plain decoding is the choice (its gain is known), and the tree that surely
-    loses least against it (the smallest: a tree never run is counted as gaining one token) is
+    loses least against it (the smallest: a tree never run is counted as gaining one token), or the
+    largest of its family that costs at most WIDER more (here the 8-node tree: 14 ms against 13), is
     explored on first contact's credit. Once a tree's rounds gain well, it is chosen; once they gain
     nothing, plain decoding is."""
     prior = {PLAIN: 10.0, CHAIN: 25.0, **{t: 12.0 + t.tree_size / 4 for t in TREES}}
     rule = rule_with(prior)
     assert rule.best(1).setting == PLAIN
     s, exploring = rule.decide(1)
-    assert exploring and s == TREES[0]
+    assert exploring and s == TREES[1]
     good = rule_with(prior)
     for _ in range(10):
         feed(good, TREES[1], 14.0, {TREES[0]: 2.9, TREES[1]: 3.6})
@@ -119,6 +120,49 @@ def test_an_exploration_is_charged_by_the_arms_estimate_not_by_its_draw():
     after = rule.estimate(1, TREES[1]).gain
     assert 2.5 < after < 3.0
     assert k.lost_ms == pytest.approx(40.0 - 10.0 * after, rel=0.01)  # plain decoding: 10 ms a token
+
+
+def test_explorations_are_valued_with_what_is_known_now():
+    """The account is valued after each round with the estimates as they stand: first contact explores
+    a tree against plain decoding before any tree is known; once that tree's rounds show it is the
+    best arm, those explorations lost nothing (they ran the best arm), and the budget is free for the
+    others. Where the tree turns out to gain nothing, the same rounds stay charged, at their time less
+    plain decoding's for the token they gain."""
+    arms = [PLAIN, TREES[0], TREES[1]]
+
+    def after(g4: float, g8: float) -> Rule:
+        rule = rule_with({PLAIN: 10.0, TREES[0]: 13.0, TREES[1]: 14.0}, arms=arms)
+        feed(rule, PLAIN, 10.0, times=3)
+        feed(rule, TREES[1], 14.0, {TREES[0]: 1.0, TREES[1]: 1.0}, explored=True)  # unlucky, and charged
+        assert rule.bucket(1).lost_ms > 0.0
+        feed(rule, TREES[1], 14.0, {TREES[0]: g4, TREES[1]: g8}, times=8)
+        return rule
+
+    good = after(2.9, 3.6)
+    assert good.best(1).setting == TREES[1] and good.bucket(1).lost_ms == pytest.approx(0.0, abs=1e-9)
+    bad = after(1.0, 1.0)
+    tree, plain = bad.estimate(1, TREES[1]), bad.best(1)
+    assert plain.setting == PLAIN and tree.gain == pytest.approx(1.0)
+    assert bad.bucket(1).lost_ms == pytest.approx(0.98 ** 8 * (14.0 - plain.ms), rel=0.01)
+
+
+def test_exploration_takes_the_larger_tree_of_a_family_where_it_costs_about_as_much():
+    """A round of a larger tree tells what the smaller trees of its family would have gained, too: where
+    the 16-node tree's round costs at most WIDER more than the 8-node tree's (on one CPU core the two
+    verify in about the same time), it is explored in its place; where it costs more, the 8-node tree
+    is, as the one that surely loses least."""
+    def explored(ms16: float) -> Setting:
+        arms = [PLAIN, TREES[0], TREES[1], TREES[2]]
+        rule = rule_with({PLAIN: 67.0, TREES[0]: 127.0, TREES[1]: 160.0, TREES[2]: ms16}, arms=arms)
+        feed(rule, PLAIN, 67.0, times=3)
+        feed(rule, TREES[0], 127.0, {TREES[0]: 3.0}, times=4)
+        rule.bucket(1).lost_ms = 0.0
+        s, exploring = rule.decide(1)
+        assert exploring
+        return s
+
+    assert explored(160.0 * (1.0 + WIDER) - 1.0) == TREES[2]
+    assert explored(160.0 * (1.0 + WIDER) + 1.0) == TREES[1]
 
 
 def test_an_untimed_exploration_counts_all_it_took_and_is_tried_again_only_with_room_for_it():
