@@ -3,7 +3,7 @@ demo row the median of its passes, ratios against plain decoding's median."""
 
 from __future__ import annotations
 
-from treeflash_runtime.bench.protocol import median_rows, summary
+from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, summary
 
 
 def test_the_summary_takes_each_rows_median_over_the_passes():
@@ -22,3 +22,19 @@ def test_the_summary_takes_each_rows_median_over_the_passes():
     assert "plain 20.0 tok/s; best fixed treeflash N=16 M=4 K=8 31.0 tok/s (1.55x)" in text
     assert "auto first contact: 30.0 tok/s = 1.50x plain, 0.97x the best" in text
     assert "plain decoding by pass: 20.0, 22.0, 18.0" in text and text.startswith("profile: one core")
+
+
+def test_the_best_fixed_row_is_also_chosen_on_the_other_passes_and_measured_on_its_own():
+    """The best of several noisy rows' medians favours the row that drew lucky passes; the summary also
+    gives each pass's ratio against the row the other passes rank best."""
+    def row(rate):
+        return {"tokens_per_s": rate}
+
+    passes = [{"auto": row(30.0), "a": row(40.0), "b": row(30.0)},  # a: one lucky pass
+              {"auto": row(30.0), "a": row(25.0), "b": row(31.0)},
+              {"auto": row(30.0), "a": row(32.0), "b": row(29.0)}]
+    assert max(median_rows(passes)[n]["tokens_per_s"] for n in "ab") == 32.0
+    # pass 1: the other two rank b first (median 30.0 against 28.5); pass 2: a (36.0 against 29.5); pass 3:
+    # a (32.5 against 30.5)
+    assert held_out_ratios(passes, "auto", ["a", "b"]) == [1.0, 30.0 / 25.0, 30.0 / 32.0]
+    assert held_out_ratios(passes[:1], "auto", ["a", "b"]) == []

@@ -1,0 +1,204 @@
+"""The self-tuning tree's rule replayed over real acceptance: what docs/results uses to compare rules
+side by side without the machine's noise.
+
+``record`` runs the default pair on the demo prompt and the held-out sets with the largest tree of
+the tuner's family every round, and keeps, per round, what every tree size of that family would have
+gained (hindsight: best-first trees are prefix-closed, rule.hindsight). ``run`` replays the rule
+(tuner/rule.py as it stands) over those rounds at given round times, with 10% jitter and a burst of
+twice the time in 5% of rounds, the prior off by a common -30%..+30% and by up to 8% per arm; and the
+fixed arms (plain decoding, N = 8 and 16) over the same rounds. A setting's round at token position p
+gains what the recorded round that covers p gained at that size (acceptance is the text's: a round
+that starts inside a recorded one is taken to gain what that one gained).
+
+    python -m treeflash_runtime.bench.replay record --out artifacts/replay/gains.json
+    python -m treeflash_runtime.bench.replay run artifacts/replay/gains.json [--again] [--seeds 20]
+
+Round times are per machine profile (``--times``, repeatable); the defaults are the demo pair's on the
+development machine's two cores and on one core with one thread (the tuner's own per-round trace).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import click
+
+from ..tuner.rule import Rule, hindsight
+from ..tuner.setting import FAMILY, PLAIN, Setting
+
+SIZES = (4, 8, 16, 32, 64)
+M, K = FAMILY["treeflash"]
+TREES = [Setting("treeflash", n, M, K) for n in SIZES]
+ARMS = [PLAIN] + TREES
+FIXED = [PLAIN, TREES[1], TREES[2]]  # the protocol's fixed rows of the default family
+PROFILES = {"two cores": "ar=55,4=93,8=112,16=130,32=154,64=208",
+            "one core": "ar=67,4=127,8=160,16=165,32=207,64=330"}
+NO_PAY = 96  # rounds of a drafter that is never right (every tree gains one token), as a set of its own
+
+
+def parse_times(spec: str) -> dict[Setting, float]:
+    """'ar=55,4=93,...': plain decoding's step and each tree size's round, in ms."""
+    out = {}
+    for part in spec.split(","):
+        key, _, ms = part.partition("=")
+        out[PLAIN if key.strip() == "ar" else TREES[SIZES.index(int(key))]] = float(ms)
+    if set(out) != set(ARMS):
+        raise click.BadParameter(f"{spec!r}: give ar and every size of {SIZES}")
+    return out
+
+
+class Tape:
+    """One recorded generation: per round, each size's gain; a setting at position p replays the round
+    that covers p."""
+
+    def __init__(self, rounds: list[dict[str, float]]):
+        self.rounds = rounds
+        self.starts, pos = [], 0.0
+        for r in rounds:
+            self.starts.append(pos)
+            pos += r[str(SIZES[-1])]
+        self.total = pos
+
+    def gains(self, s: Setting, pos: float, j: int) -> tuple[dict[Setting, float], int]:
+        """(gains of s and the trees it covers at position pos, the recorded round's index)."""
+        while j + 1 < len(self.starts) and self.starts[j + 1] <= pos:
+            j += 1
+        if s == PLAIN:
+            return {PLAIN: 1.0}, j
+        return {t: float(self.rounds[j][str(t.tree_size)]) for t in TREES if t.tree_size <= s.tree_size}, j
+
+
+def play(tape: Tape, times: dict[Setting, float], seed: int, rule: Rule | None = None,
+         fixed: Setting | None = None) -> float:
+    """Tokens per second of the rule (or of a fixed setting) over the tape."""
+    rng = random.Random(seed)
+    pos = ms_total = 0.0
+    j = 0
+    while pos < tape.total:
+        s, exploring = (fixed, False) if rule is None else rule.decide(1)
+        ms = times[s] * rng.uniform(0.9, 1.1) * (2.0 if rng.random() < 0.05 else 1.0)
+        gains, j = tape.gains(s, pos, j)
+        if rule is not None:
+            rule.learn(1, s, ms, gains, exploring, ms)
+        pos += min(gains[s], tape.total - pos)
+        ms_total += ms
+    return 1000.0 * tape.total / ms_total
+
+
+def replay(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds: int, again: bool) -> dict:
+    """Per set: the rule's tokens/s summed over prompts and seeds as a share of the best fixed arm's
+    (chosen per prompt and seed, as the protocol's best row) and of plain decoding's, and the worst run."""
+    out = {}
+    for name, group in tapes.items():
+        got = best = plain = 0.0
+        worst = float("inf")
+        for tape in group:
+            for seed in range(seeds):
+                rng = random.Random(7 * seed + 1)
+                common = rng.uniform(-0.3, 0.3)
+                prior = {s: ms * (1.0 + common + rng.uniform(-0.08, 0.08)) for s, ms in times.items()}
+                fixed = {s: play(tape, times, seed, fixed=s) for s in FIXED}
+                rule = Rule(ARMS, lambda b: prior, block_size=16)
+                rate = play(tape, times, seed, rule)
+                if again:  # a second process, from what the first measured (as the tuner's cache)
+                    first, rule = rule, Rule(ARMS, lambda b: prior, block_size=16)
+                    rule.load_json(first.to_json())
+                    rule.new_request(1)
+                    rate = play(tape, times, seed + 1000, rule)
+                top = max(fixed.values())
+                got, best, plain = got + rate, best + top, plain + fixed[PLAIN]
+                worst = min(worst, rate / top)
+        out[name] = {"x_best": got / best, "x_plain": got / plain, "worst_x_best": worst}
+    return out
+
+
+def load_tapes(path: Path) -> dict[str, list[Tape]]:
+    data = json.loads(Path(path).read_text())
+    tapes = {name: [Tape(r) for r in group] for name, group in data.items()}
+    tapes["no tree pays"] = [Tape([{str(n): 1.0 for n in SIZES}] * NO_PAY)]
+    return tapes
+
+
+@click.group()
+def main():
+    """Replays the self-tuning tree's rule over recorded acceptance."""
+
+
+@main.command()
+@click.option("--out", default="artifacts/replay/gains.json", type=click.Path(dir_okay=False), show_default=True)
+@click.option("--heldout", default=10, show_default=True, help="Prompts per held-out set.")
+@click.option("--max-new-tokens", default=96, show_default=True)
+def record(out, heldout, max_new_tokens):
+    """Records, per round, every tree size's gain on the demo prompt and the held-out sets (the default
+    pair, on CPU; a few minutes)."""
+    from treeflash_export.config import SamplingConfig, TreeConfig
+
+    from ..cli import _encode
+    from ..engine import fixed_plans
+    from ..loop import generate
+    from ..options import load_session
+    from ..plan import RoundPlan
+    from ..tuner.online import best_first
+    from .cli import _prompt_ids
+    from .protocol import PROMPT
+
+    tree = TreeConfig(mode="treeflash", tree_size=SIZES[-1], top_m=M, top_k=K)
+    sess = load_session(model=None, drafter=None, artifacts=None, verify_checksums=False, mode=tree.mode,
+                        tree_size=tree.tree_size, top_m=M, top_k=K, drafter_temperature=None, max_seq_len=None,
+                        device="cpu", dtype="float32", cuda_graphs="auto", fast_kernels="auto")
+    plans = fixed_plans(sess.runner, tree)
+    ran = plans.trees[1]
+    plans.plans = {b: RoundPlan(tree=p.tree, report_nodes=True) for b, p in plans.plans.items()}
+    big = Setting(ran.mode, ran.tree_size, ran.top_m, ran.top_k)
+    rounds: list[dict[str, float]] = []
+
+    def learn(report, running=None):
+        rounds.append({str(s.tree_size): g for s, g in hindsight(big, best_first(report.nodes[0]), TREES).items()})
+
+    plans.learn = learn
+    plans.new_generation, plans.fixed_mode, plans.report = (lambda: None), ran.mode, (lambda: {})
+    sets = {"demo": [_encode(sess.tokenizer, PROMPT, True)]}
+    for domain in ("chat-self", "code", "chat-stdlib"):
+        sets[domain] = _prompt_ids(("heldout", heldout, 48, domain), sess.tokenizer)
+    data = {}
+    for name, prompts in sets.items():
+        data[name] = []
+        for ids in prompts:
+            rounds.clear()
+            generate(sess.runner, ids, ran, SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0),
+                     tuner=plans)
+            data[name].append(list(rounds))
+        click.echo(f"{name}: {len(prompts)} prompts, {sum(len(r) for r in data[name])} rounds", err=True)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(out)
+
+
+@main.command()
+@click.argument("gains", type=click.Path(exists=True, dir_okay=False))
+@click.option("--times", "profiles", multiple=True,
+              help="A machine profile's round times in ms, 'ar=55,4=93,8=112,16=130,32=154,64=208' (repeatable; "
+                   "default: the demo pair's on two cores and on one core).")
+@click.option("--seeds", default=20, show_default=True, help="Runs per prompt (jitter, bursts and the prior's error).")
+@click.option("--again", is_flag=True, help="Each run from what a first run over the same prompt measured.")
+@click.option("--json", "as_json", is_flag=True)
+def run(gains, profiles, seeds, again, as_json):
+    """Prints, per profile and set, the rule's tokens/s as a share of the best fixed arm and of plain decoding."""
+    tapes = load_tapes(Path(gains))
+    named = {p: parse_times(p) for p in profiles} or {k: parse_times(v) for k, v in PROFILES.items()}
+    res = {name: replay(tapes, times, seeds, again) for name, times in named.items()}
+    if as_json:
+        click.echo(json.dumps(res))
+        return
+    for name, sets in res.items():
+        click.echo(name)
+        for s, r in sets.items():
+            click.echo(f"  {s:<14} {r['x_best']:.3f}x the best fixed, {r['x_plain']:.3f}x plain, "
+                       f"worst run {r['worst_x_best']:.2f}x the best")
+
+
+if __name__ == "__main__":
+    main()
