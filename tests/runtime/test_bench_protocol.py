@@ -1,9 +1,14 @@
 """make bench-default's summary (treeflash_runtime.bench.protocol) over a result it did not run: each
-demo row the median of its passes, ratios against plain decoding's median."""
+demo row the median of its passes, ratios against plain decoding's median; and the rule's replay over
+recorded acceptance (treeflash_runtime.bench.replay) on tapes written here."""
 
 from __future__ import annotations
 
+import click
+import pytest
+
 from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, summary
+from treeflash_runtime.bench.replay import PLAIN, PROFILES, SIZES, TREES, Tape, parse_times, replay
 
 
 def test_the_summary_takes_each_rows_median_over_the_passes():
@@ -38,3 +43,21 @@ def test_the_best_fixed_row_is_also_chosen_on_the_other_passes_and_measured_on_i
     # a (32.5 against 30.5)
     assert held_out_ratios(passes, "auto", ["a", "b"]) == [1.0, 30.0 / 25.0, 30.0 / 32.0]
     assert held_out_ratios(passes[:1], "auto", ["a", "b"]) == []
+
+
+def test_a_replayed_round_gains_what_the_recorded_round_covering_its_position_gained():
+    tape = Tape([{"4": 2, "8": 3, "16": 3, "32": 4, "64": 4}, {"4": 1, "8": 1, "16": 2, "32": 2, "64": 2}])
+    assert tape.total == 6.0
+    assert tape.gains(TREES[1], 0.0, 0) == ({TREES[0]: 2.0, TREES[1]: 3.0}, 0)
+    assert tape.gains(TREES[2], 3.0, 0) == ({TREES[0]: 2.0, TREES[1]: 3.0, TREES[2]: 3.0}, 0)  # inside round 0
+    assert tape.gains(TREES[0], 4.0, 0) == ({TREES[0]: 1.0}, 1)
+    assert tape.gains(PLAIN, 5.0, 1) == ({PLAIN: 1.0}, 1)
+
+
+def test_replay_times_name_every_arm_and_where_no_tree_pays_plain_decoding_is_the_best_fixed_arm():
+    assert set(parse_times(PROFILES["one core"])) == {PLAIN, *TREES}
+    with pytest.raises(click.BadParameter):
+        parse_times("ar=10,4=20")
+    never = {"no tree pays": [Tape([{str(n): 1.0 for n in SIZES}] * 40)]}
+    res = replay(never, parse_times(PROFILES["two cores"]), seeds=2, again=False)["no tree pays"]
+    assert res["x_best"] == pytest.approx(res["x_plain"]) and 0.0 < res["x_plain"] <= 1.0
