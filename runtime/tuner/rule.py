@@ -139,7 +139,7 @@ class Bucket:
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
     # Per arm, its exploration rounds: [what they took, how many], discounted as the estimates are.
     explored: dict[Setting, list[float]] = field(default_factory=dict)
-    lost_ms: float = 0.0  # what they lost, valued after each round (see _lost)
+    lost_ms: float | None = 0.0  # what they lost (Rule.lost), valued as of the last round (None: not yet)
     # What an arm's last exploration round took when it ran eagerly on a graph runner (several times a
     # replay's time there, and untimed), until it runs from a graph: its next one likely costs that again.
     untimed_ms: dict[Setting, float] = field(default_factory=dict)
@@ -341,7 +341,8 @@ class Rule:
         # budget, which the account would then take long to work off.
         expected = loss(pick)
         room = max(expected, 0.0) if pick.setting in k.untimed_ms else 0.0
-        if k.lost_ms + room <= allowed or (pick.seen and expected <= 0.0 and k.lost_ms <= FREE_PASS * allowed):
+        lost = self.lost(b, est, best)
+        if lost + room <= allowed or (pick.seen and expected <= 0.0 and lost <= FREE_PASS * allowed):
             return pick.setting, True
         return best.setting, False
 
@@ -421,23 +422,28 @@ class Rule:
             if below and below[-1] in told:
                 k.step.setdefault(s, Stat()).add(g - told[below[-1]])
         if k.explored:
-            k.lost_ms = self._lost(k, self.estimates(b))
+            k.lost_ms = None  # valued at the next decision, with its estimates (they run every round)
 
-    def _lost(self, k: Bucket, est: dict[Setting, Estimate]) -> float:
-        """What the exploration rounds lost, valued with what is known now: each arm's rounds took their
+    def lost(self, b: int, est: dict[Setting, Estimate] | None = None, best: Estimate | None = None) -> float:
+        """What bucket b's exploration rounds lost, valued with what is known now (est, best: the
+        estimates and the choice as they stand, if the caller has them): each arm's rounds took their
         time, less the time the choice now takes for the tokens the arm gains by its estimate now (not by
         the rounds' draws: a drafter of 2.3 tokens a round gains 1 in a quarter of its rounds, and
         charged by draws the budget stops exploring on bad luck). Valued now, not when each round ran:
         exploring the tree that turned out best lost nothing, and first contact, which explores against
         plain decoding before any tree is known, is not charged as if plain decoding had stayed the
         choice. An arm that gains more than the choice for its time pays back what others lost."""
-        best = self._choice(est)
-        lost = 0.0
-        for s, (took, n) in k.explored.items():
-            e = est[s]
-            gain = e.gain if e.seen else e.sure
-            lost += took - n * 1000.0 * gain / best.rate if best.rate > 0 else took
-        return max(lost, 0.0)
+        k = self.bucket(b)
+        if k.lost_ms is None:
+            est = est or self.estimates(b)
+            best = best or self._choice(est)
+            lost = 0.0
+            for s, (took, n) in k.explored.items():
+                e = est[s]
+                gain = e.gain if e.seen else e.sure
+                lost += took - n * 1000.0 * gain / best.rate if best.rate > 0 else took
+            k.lost_ms = max(lost, 0.0)
+        return k.lost_ms
 
     def new_request(self, b: int) -> None:
         """A request starts alone: earlier requests' gains weigh at most NEW_REQUEST_CAP rounds."""

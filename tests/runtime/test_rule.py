@@ -119,7 +119,7 @@ def test_an_exploration_is_charged_by_the_arms_estimate_not_by_its_draw():
     rule.learn(1, TREES[1], 40.0, {TREES[0]: 1.0, TREES[1]: 1.0}, True, 40.0)
     after = rule.estimate(1, TREES[1]).gain
     assert 2.5 < after < 3.0
-    assert k.lost_ms == pytest.approx(40.0 - 10.0 * after, rel=0.01)  # plain decoding: 10 ms a token
+    assert rule.lost(1) == pytest.approx(40.0 - 10.0 * after, rel=0.01)  # plain decoding: 10 ms a token
 
 
 def test_explorations_are_valued_with_what_is_known_now():
@@ -134,16 +134,16 @@ def test_explorations_are_valued_with_what_is_known_now():
         rule = rule_with({PLAIN: 10.0, TREES[0]: 13.0, TREES[1]: 14.0}, arms=arms)
         feed(rule, PLAIN, 10.0, times=3)
         feed(rule, TREES[1], 14.0, {TREES[0]: 1.0, TREES[1]: 1.0}, explored=True)  # unlucky, and charged
-        assert rule.bucket(1).lost_ms > 0.0
+        assert rule.lost(1) > 0.0
         feed(rule, TREES[1], 14.0, {TREES[0]: g4, TREES[1]: g8}, times=8)
         return rule
 
     good = after(2.9, 3.6)
-    assert good.best(1).setting == TREES[1] and good.bucket(1).lost_ms == pytest.approx(0.0, abs=1e-9)
+    assert good.best(1).setting == TREES[1] and good.lost(1) == pytest.approx(0.0, abs=1e-9)
     bad = after(1.0, 1.0)
     tree, plain = bad.estimate(1, TREES[1]), bad.best(1)
     assert plain.setting == PLAIN and tree.gain == pytest.approx(1.0)
-    assert bad.bucket(1).lost_ms == pytest.approx(0.98 ** 8 * (14.0 - plain.ms), rel=0.01)
+    assert bad.lost(1) == pytest.approx(0.98 ** 8 * (14.0 - plain.ms), rel=0.01)
 
 
 def test_exploration_takes_the_larger_tree_of_a_family_where_it_costs_about_as_much():
@@ -174,7 +174,7 @@ def test_an_untimed_exploration_counts_all_it_took_and_is_tried_again_only_with_
     feed(rule, PLAIN, 5.0, times=100)
     k = rule.bucket(1)
     rule.learn(1, TREES[0], None, {TREES[0]: 1.0}, True, 30.0, eager=True)  # 30 ms for plain decoding's token
-    assert k.lost_ms == pytest.approx(25.0, rel=0.02)  # 30 ms less plain decoding's 5, not 1.5 x 6 - 5
+    assert rule.lost(1) == pytest.approx(25.0, rel=0.02)  # 30 ms less plain decoding's 5, not 1.5 x 6 - 5
     credit = CREDIT_PLAIN_STEPS * 5.0 * 0.98 ** k.rounds
     k.lost_ms, k.recent_ms = 0.0, (20.0 - credit) / EXPLORE_SHARE  # 20 ms allowed: short of 25
     assert rule.decide(1) == (PLAIN, False)
