@@ -143,7 +143,7 @@ class Bucket:
     # What an arm's last exploration round took when it ran eagerly on a graph runner (several times a
     # replay's time there, and untimed), until it runs from a graph: its next one likely costs that again.
     untimed_ms: dict[Setting, float] = field(default_factory=dict)
-    decided: tuple | None = None  # (estimates, choice) of the last decision, for the round that follows
+    decided: dict | None = None  # the estimates of the last decision, for the round that follows
     rounds: int = 0
     first_contact: bool | None = None  # no bucket had run a round when this one first decided
 
@@ -303,7 +303,7 @@ class Rule:
         est = self.estimates(b)
         best = self._choice(est)
         k = self._started(b)
-        k.decided = est, best  # what the round's learn needs (nothing changes in between)
+        k.decided = est  # what the round's learn needs (nothing changes in between)
         plain = est.get(PLAIN)
         if plain is not None and not plain.measured and best.setting != PLAIN:
             # The reference first: its rate is known once its time is, and its rounds are the cheapest.
@@ -378,10 +378,7 @@ class Rule:
             v[0] *= self.discount
             v[1] *= self.discount
         if explored:
-            if decided is None:  # learn without a decision (tests): the estimates as they stand
-                est = self.estimates(b)
-                decided = est, self._choice(est)
-            est, best = decided
+            est = decided if decided is not None else self.estimates(b)  # no decision (tests): as they stand
             k.explore_ms += wall_ms
             # A burst (another job) counts as the arm's usual time, as in its estimate. A round that was
             # not timed (run eagerly on a graph runner: several times a replay's time there) counts all
