@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -117,6 +119,64 @@ def checkpoint_fingerprint(folder: Path, samples: int = 16, chunk: int = 1 << 16
             for i in range(samples):
                 f.seek((size - chunk) * i // (samples - 1))
                 h.update(f.read(chunk))
+    return h.hexdigest()[:16]
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes, offsets): 8 bytes of
+    little-endian length, then the header. Reading it costs one small read, whatever the file size."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100_000_000:
+            raise ValueError(f"{path.name}: not a safetensors file (header of {n} bytes)")
+        return f.read(n)
+
+
+def pair_fingerprint(*sources) -> str:
+    """A short hash of what a round's costs depend on: the shapes and dtypes of the pair, not the
+    values of its weights (timing does not depend on them), so it is cheap and survives copies.
+
+    Each source is one of:
+    - a folder or a file path: *.json files by content (configs, tokenizers), *.safetensors by their
+      header (names, dtypes, shapes) and size, any other file (ONNX, engines, .bin) by name, size
+      and modification time; folders recursively, hidden entries skipped;
+    - a state dict (a mapping whose values have .shape and .dtype): names, shapes and dtypes;
+    - any other mapping (e.g. a config dict): its JSON.
+    """
+    h = hashlib.sha256()
+
+    def add(tag: str, payload: bytes) -> None:
+        h.update(f"{tag}:{len(payload)}:".encode())
+        h.update(payload)
+
+    def add_file(path: Path, name: str) -> None:
+        if path.suffix == ".json":
+            add(f"json {name}", path.read_bytes())
+        elif path.suffix == ".safetensors":
+            add(f"safetensors {name} {path.stat().st_size}", _safetensors_header(path))
+        else:
+            st = path.stat()
+            add(f"file {name}", f"{st.st_size} {st.st_mtime_ns}".encode())
+
+    for src in sources:
+        if isinstance(src, Mapping):
+            items = sorted(src.items(), key=lambda kv: str(kv[0]))
+            if items and all(hasattr(v, "shape") and hasattr(v, "dtype") for _, v in items):
+                add("state_dict", "\n".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in items).encode())
+            else:
+                add("mapping", json.dumps(src, sort_keys=True, default=str).encode())
+            continue
+        path = Path(src)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*")
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            add("folder", str(len(files)).encode())
+            for p in files:
+                add_file(p, p.relative_to(path).as_posix())
+        elif path.is_file():
+            add_file(path, path.name)
+        else:
+            raise FileNotFoundError(f"cannot fingerprint {path}: no such file or folder")
     return h.hexdigest()[:16]
 
 

@@ -25,6 +25,10 @@ from pathlib import Path
 
 import click
 
+from treeflash_export.config import TreeConfig
+
+from ..plan import FixedPlans, RoundPlan, RoundReport
+from ..tuner.online import best_first
 from ..tuner.rule import Rule, hindsight
 from ..tuner.setting import FAMILY, PLAIN, Setting
 
@@ -121,6 +125,28 @@ def load_tapes(path: Path) -> dict[str, list[Tape]]:
     return tapes
 
 
+class Recorder(FixedPlans):
+    """The policy ``record`` runs: one tree every round, reporting its nodes; keeps, per round of the
+    generation under way, what every size of its family would have gained."""
+
+    def __init__(self, tree: TreeConfig):
+        super().__init__({1: tree})
+        self.plans = {1: RoundPlan(tree=tree, report_nodes=True)}
+        self.fixed_mode = tree.mode
+        self.ran = Setting(tree.mode, tree.tree_size, tree.top_m, tree.top_k)
+        self.rounds: list[dict[str, float]] = []
+
+    def new_generation(self) -> None:
+        self.rounds = []
+
+    def learn(self, report: RoundReport, running=None) -> None:
+        gains = hindsight(self.ran, best_first(report.nodes[0]), TREES)
+        self.rounds.append({str(s.tree_size): g for s, g in gains.items()})
+
+    def report(self) -> dict:
+        return {}
+
+
 @click.group()
 def main():
     """Replays the self-tuning tree's rule over recorded acceptance."""
@@ -133,14 +159,12 @@ def main():
 def record(out, heldout, max_new_tokens):
     """Records, per round, every tree size's gain on the demo prompt and the held-out sets (the default
     pair, on CPU; a few minutes)."""
-    from treeflash_export.config import SamplingConfig, TreeConfig
+    from treeflash_export.config import SamplingConfig
 
     from ..cli import _encode
     from ..engine import fixed_plans
     from ..loop import generate
     from ..options import load_session
-    from ..plan import RoundPlan
-    from ..tuner.online import best_first
     from .cli import _prompt_ids
     from .protocol import PROMPT
 
@@ -148,17 +172,8 @@ def record(out, heldout, max_new_tokens):
     sess = load_session(model=None, drafter=None, artifacts=None, verify_checksums=False, mode=tree.mode,
                         tree_size=tree.tree_size, top_m=M, top_k=K, drafter_temperature=None, max_seq_len=None,
                         device="cpu", dtype="float32", cuda_graphs="auto", fast_kernels="auto")
-    plans = fixed_plans(sess.runner, tree)
-    ran = plans.trees[1]
-    plans.plans = {b: RoundPlan(tree=p.tree, report_nodes=True) for b, p in plans.plans.items()}
-    big = Setting(ran.mode, ran.tree_size, ran.top_m, ran.top_k)
-    rounds: list[dict[str, float]] = []
-
-    def learn(report, running=None):
-        rounds.append({str(s.tree_size): g for s, g in hindsight(big, best_first(report.nodes[0]), TREES).items()})
-
-    plans.learn = learn
-    plans.new_generation, plans.fixed_mode, plans.report = (lambda: None), ran.mode, (lambda: {})
+    ran = fixed_plans(sess.runner, tree).trees[1]
+    recorder = Recorder(ran)
     sets = {"demo": [_encode(sess.tokenizer, PROMPT, True)]}
     for domain in ("chat-self", "code", "chat-stdlib"):
         sets[domain] = _prompt_ids(("heldout", heldout, 48, domain), sess.tokenizer)
@@ -166,10 +181,9 @@ def record(out, heldout, max_new_tokens):
     for name, prompts in sets.items():
         data[name] = []
         for ids in prompts:
-            rounds.clear()
             generate(sess.runner, ids, ran, SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0),
-                     tuner=plans)
-            data[name].append(list(rounds))
+                     tuner=recorder)
+            data[name].append(recorder.rounds)
         click.echo(f"{name}: {len(prompts)} prompts, {sum(len(r) for r in data[name])} rounds", err=True)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(out).with_suffix(".tmp")

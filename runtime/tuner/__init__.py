@@ -10,10 +10,9 @@ the throughput real rounds measure. It holds no tensors of the round and imports
 - online:  `TreeTuner`, the engine's policy: RoundPlans out, RoundReports in.
 """
 
-from .cache import CostKey, TunerStore, pair_fingerprint
+from .cache import CostKey, TunerStore
 from .online import TreeTuner
 from .rule import Rule, hindsight
 from .setting import PLAIN, Setting, candidate_settings
 
-__all__ = ["CostKey", "PLAIN", "Rule", "Setting", "TreeTuner", "TunerStore", "candidate_settings", "hindsight",
-           "pair_fingerprint"]
+__all__ = ["CostKey", "PLAIN", "Rule", "Setting", "TreeTuner", "TunerStore", "candidate_settings", "hindsight"]

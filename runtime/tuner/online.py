@@ -22,7 +22,7 @@ from treeflash_export.config import TreeConfig
 from treeflash_export.errors import ConfigError
 
 from ..plan import NodeReport, RoundPlan, RoundReport
-from .cache import CostKey, TunerStore, pair_fingerprint
+from .cache import CostKey, TunerStore
 from .prior import interpolated_prior, measure_prior
 from .rule import Rule, hindsight
 from .setting import FIELDS, PLAIN, Setting, candidate_settings
@@ -57,7 +57,7 @@ def tuner_key(runner, sources, dtype: str, drafter_temperature: float = 1.0) -> 
     import torch
 
     from treeflash_export import __version__
-    from treeflash_export.checkpoints import checkpoint_fingerprint
+    from treeflash_export.checkpoints import checkpoint_fingerprint, pair_fingerprint
 
     dev = runner.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu x{torch.get_num_threads()}"
@@ -271,14 +271,18 @@ class TreeTuner:
 
     def report(self) -> dict:
         """For --json: rounds and realised tokens per setting, and per bucket the choice now, every
-        arm's estimate, and the share of time exploration took."""
+        arm's estimate, the share of its time exploration rounds took, and the share of its recent
+        time they lost (valued with the estimates now: an exploration of an arm as good as the choice
+        takes time and loses none)."""
         rep = {"settings_used": {s.label(): n for s, n in self.used.items()},
                "realised_tokens_per_round": {s.label(): self.tokens[s] / n for s, n in self.used.items() if n},
-               "resumed": self.resumed, "choices": {}, "arms": {}, "explore_share": {}}
+               "resumed": self.resumed, "choices": {}, "arms": {}, "explore_share": {}, "explore_lost_share": {}}
         for b, k in self.rule.buckets.items():
+            est = self.rule.estimates(b)
             rep["choices"][str(b)] = self.rule.best(b).to_json()
-            rep["arms"][str(b)] = {s.label(): self.rule.estimate(b, s).to_json() for s in self.rule.arms}
+            rep["arms"][str(b)] = {s.label(): e.to_json() for s, e in est.items()}
             rep["explore_share"][str(b)] = k.explore_ms / k.total_ms if k.total_ms else 0.0
+            rep["explore_lost_share"][str(b)] = self.rule.lost(b) / k.recent_ms if k.recent_ms else 0.0
         return rep
 
 

@@ -1,29 +1,20 @@
 """The self-tuning tree's rule: decide from measured throughput, predict only to order exploration.
 
-Per batch bucket, each candidate setting (an arm) has two running estimates (the tokens shared by the
-buckets: they are the requests' and the drafter's, not the batch's):
-- its round time: the prior (a full round timed on a dummy prompt, see prior.py) at the machine's
-  speed now (what every real round, of any arm, says of the prior: the machine may slow down or
-  speed up between and within processes, and every arm with it), times the arm's own residual (how
-  its own real rounds, everything in them, read-back included, differ from the prior beyond that);
-- its tokens per round (per slot): its family's smallest tree's, plus each larger size's step over
-  the next smaller one, measured on the rounds that told both (exactly, in hindsight: best-first trees
-  are prefix-closed, so a smaller tree's accepted path is the part of the larger one's it contains);
-  until rounds told it, an optimistic guess, never below what the smaller trees of its family gained.
-Plain decoding gains exactly one token a round, so its rate is known once its time is.
+Per batch bucket, each candidate setting (an arm) has a round time: the prior (prior.py) at the
+machine's speed now (what every real round, of any arm, says of the prior), times the arm's own
+residual (how its own rounds, everything in them, differ beyond that). Tokens per round per slot are
+shared by the buckets: a family's smallest tree's, plus each larger size's step over the next smaller
+one, from the rounds that told both (exactly, in hindsight: best-first trees are prefix-closed); until
+rounds tell it, an optimistic guess. Plain decoding gains one token a round: its rate is known once
+its time is, and it is timed first.
 
-One rule: run the arm with the best mean tokens per second among those rounds told of, where a tree
-counts once its lower confidence bound beats plain decoding's rate; while other arms' upper bounds
-beat the choice, explore the one that surely loses least (or the largest tree of its family whose
-round costs at most WIDER more: that round tells the smaller tree's gain too), as long as exploration
-has lost less than ``explore_share`` of the bucket's recent time (plus a small credit at first
-contact, for the bucket that runs first; an arm whose mean loses nothing, up to FREE_PASS times
-that). What exploration lost is valued with what is known now, after every round: each exploration
-round's time less what the choice now takes for the tokens its arm gains by its estimate now (not
-the round's draw). Exploring the arm that turned out best lost nothing; trying a tree that costs
-little more than the choice costs little. Plain decoding's time is measured first (its gain is
-known, so its rate is once its time is). Every estimate is discounted a round, so a request that
-changes character is followed.
+One rule: run the arm with the best mean rate among those rounds told of (a tree once its lower bound
+beats plain decoding); while other arms' upper bounds beat it, explore the one that surely loses least
+(or the largest tree of its family within WIDER of its time: that round tells the smaller tree's gain
+too), while what exploration lost stays under ``explore_share`` of the bucket's recent time (plus a
+credit at first contact). What it lost is valued with the estimates now: exploring the arm that turned
+out best lost nothing. Every estimate is discounted a round, so a request that changes character is
+followed.
 
 Pure: no runner, no tensors, no clock; ``learn`` takes what a round measured.
 """
@@ -132,8 +123,6 @@ class Bucket:
     # of another kind); the residuals say where the prior was off for one arm against the others.
     speed: Stat = field(default_factory=Stat)
     resid: dict[Setting, Stat] = field(default_factory=dict)
-    gain: dict[Setting, Stat] = field(default_factory=dict)  # the rule's (shared by the buckets)
-    step: dict[Setting, Stat] = field(default_factory=dict)  # ... likewise
     total_ms: float = 0.0  # time of all rounds
     explore_ms: float = 0.0  # ... of exploration rounds
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
@@ -161,7 +150,7 @@ class Rule:
         self.explore_share, self.discount, self.z = explore_share, discount, z
         self.buckets: dict[int, Bucket] = {}
         # Tokens per round per slot, shared by the buckets: each tree's, and each size's step over the
-        # next smaller one of its family from the rounds that told both (see _gain).
+        # next smaller one of its family from the rounds that told both (see _family_gains).
         self.gain: dict[Setting, Stat] = {}
         self.step: dict[Setting, Stat] = {}
         self._family: dict[Setting, list[Setting]] = {}  # family_up_to's answers (the arms do not change)
@@ -172,25 +161,22 @@ class Rule:
         estimate for all buckets (they are the requests' and the drafter's, not the batch's), so a
         larger bucket starts from what the smaller ones learnt."""
         if b not in self.buckets:
-            self.buckets[b] = Bucket(prior_ms=dict(self.prior_ms(b)), gain=self.gain, step=self.step)
+            self.buckets[b] = Bucket(prior_ms=dict(self.prior_ms(b)))
         return self.buckets[b]
 
     # ------------------------------------------------------------------ estimates
 
     def estimate(self, b: int, s: Setting) -> Estimate:
-        """The arm's rate and bounds: tokens per round within [1, min(N, B)] (a round always gains its
-        bonus token; an arm never seen is bounded below by that alone), over its round time give or
-        take z standard errors."""
-        k = self.bucket(b)
-        return self._estimate(k, s, self._gain(k, s))
+        return self.estimates(b)[s]
 
     def estimates(self, b: int) -> dict[Setting, Estimate]:
-        """Every arm's estimate (each family's gains walked once: this runs every round, and on a GPU
-        a round takes a few milliseconds)."""
+        """Every arm's rate and bounds: tokens per round within [1, min(N, B)] (a round always gains its
+        bonus token; an arm never seen is bounded below by that alone), over its round time give or
+        take z standard errors (each family's gains walked once: this runs every round)."""
         k = self.bucket(b)
         gains = {PLAIN: (1.0, 0.0, True, 1.0)}
         for top in self._tops():
-            gains.update(self._family_gains(k, top))
+            gains.update(self._family_gains(top))
         return {s: self._estimate(k, s, gains[s]) for s in self.arms}
 
     def _estimate(self, k: Bucket, s: Setting, gain_of: tuple[float, float, bool, float]) -> Estimate:
@@ -217,26 +203,17 @@ class Rule:
             return math.exp(log_ms), r.se(TIME_FLOOR), True
         return math.exp(log_ms), PRIOR_SPREAD if k.speed.n < 2 else FITTED_SPREAD, False
 
-    def _gain(self, k: Bucket, s: Setting) -> tuple[float, float, bool, float]:
-        """Tokens per round, its standard error, whether rounds told it, and what it gains at least
-        (what the largest smaller tree of its family that rounds told of gains). A tree's gain is its
-        family's smallest tree's plus the steps between each size and the next, each a mean over the
-        rounds that told both sizes (the same rounds: a step is never negative and is known far better
-        than two separate means). Unseen trees: an optimistic guess from the largest smaller tree seen
-        (GROWTH of its extra tokens more per doubling of the size), else half the most a round can
-        gain, with an error of half its extra tokens (and GAIN_FLOOR)."""
-        if s.mode == "ar":
-            return 1.0, 0.0, True, 1.0
-        return self._family_gains(k, s)[s]
-
-    def _family_gains(self, k: Bucket, top: Setting) -> dict[Setting, tuple[float, float, bool, float]]:
-        """_gain of every arm of top's family up to top, walking the family once."""
+    def _family_gains(self, top: Setting) -> dict[Setting, tuple[float, float, bool, float]]:
+        """(tokens per round, its standard error, whether rounds told it, what it gains at least) of
+        every arm of top's family up to top. A tree's gain is its family's smallest tree's plus the
+        steps between each size and the next, each a mean over the rounds that told both sizes (the
+        same rounds: a step is never negative and is known far better than two separate means)."""
         out = {}
         mean = var = 0.0
         known = None  # (the largest tree of the chain that rounds told of, its gain)
         told = True  # every smaller tree of the family was told of
         for i, o in enumerate(self.family_up_to(top)):
-            st = k.gain.get(o) if i == 0 else k.step.get(o)
+            st = self.gain.get(o) if i == 0 else self.step.get(o)
             told = told and st is not None and st.n >= SEEN
             if told:
                 if i == 0:
@@ -247,14 +224,16 @@ class Rule:
                 known = (o, mean)
                 out[o] = (mean, math.sqrt(var), True, mean)
             else:
-                out[o] = self._unseen_gain(k, o, known)
+                out[o] = self._unseen_gain(o, known)
         return out
 
-    def _unseen_gain(self, k: Bucket, s: Setting, known) -> tuple[float, float, bool, float]:
-        """_gain of a tree past the part of its family that rounds told of (known: the largest tree of
-        that part and its gain, or None)."""
+    def _unseen_gain(self, s: Setting, known) -> tuple[float, float, bool, float]:
+        """The gain of a tree past the part of its family that rounds told of (known: the largest tree
+        of that part and its gain, or None): an optimistic guess, GROWTH of that tree's extra tokens more
+        per doubling of the size (else half the most a round can gain), with an error of half its extra
+        tokens (and GAIN_FLOOR)."""
         sure = known[1] if known else 1.0
-        own = k.gain.get(s)  # rounds that told its gain alone (a runner that reports no nodes)
+        own = self.gain.get(s)  # rounds that told its gain alone (a runner that reports no nodes)
         if own is not None and own.n >= SEEN:
             return max(own.mean, sure), self._gain_se(own, s), True, sure
         most = float(min(s.tree_size, self.block_size))
@@ -321,24 +300,17 @@ class Rule:
             return cost(e) - 1000.0 * gain / best.rate if best.rate > 0 else cost(e)
 
         pick = min(hopeful, key=lambda e: (loss(e), -e.upper))
-        if pick.setting.mode != "ar":
-            # A larger hopeful tree of its family whose round costs little more tells its gain too (in
-            # hindsight), and its own: the largest within WIDER of its time is explored instead.
+        if pick.setting.mode != "ar":  # the largest hopeful tree of its family within WIDER of its time
             near = [e for e in hopeful if covers(e.setting, pick.setting) and cost(e) <= (1.0 + WIDER) * cost(pick)]
             pick = max(near, key=lambda e: e.setting.tree_size)
-        # The credit lets first contact explore; it fades as the losses it paid for do. A bucket that
-        # starts after others ran has none: the gains it needs are known (the buckets share them), and
-        # its round times follow from its prior and the machine's speed within its own budget. An arm whose
-        # rounds say it loses nothing (its mean as good as the choice's: a tree not yet shown to beat
-        # plain decoding) may be tried past the account, up to FREE_PASS times it: rounds that win pay
-        # back, so where a tree pays this does not bind; where the means were too hopeful it does.
+        # First contact's credit fades as the losses it paid for do; a bucket that starts after others ran
+        # has none (the gains it needs are shared). An arm whose mean loses nothing (a tree not yet shown
+        # to beat plain decoding) may go past the account up to FREE_PASS times it.
         credit = 0.0
         if k.first_contact:
             credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
         allowed = self.explore_share * k.recent_ms + credit
-        # A round whose time is known to be far above a replay's (an untimed one before) is explored
-        # only where the account has room for what it loses: one such round may cost many times the
-        # budget, which the account would then take long to work off.
+        # A round known to cost far more than a replay (untimed before) needs room in the account.
         expected = loss(pick)
         room = max(expected, 0.0) if pick.setting in k.untimed_ms else 0.0
         lost = self.lost(b, est, best)
@@ -380,9 +352,7 @@ class Rule:
         if explored:
             est = decided if decided is not None else self.estimates(b)  # no decision (tests): as they stand
             k.explore_ms += wall_ms
-            # A burst (another job) counts as the arm's usual time, as in its estimate. A round that was
-            # not timed (run eagerly on a graph runner: several times a replay's time there) counts all
-            # it took.
+            # A burst counts as the arm's usual time; an untimed round (eager on a graph runner) all it took.
             usual = est[ran].ms
             took = min(wall_ms, BURST * usual) if usual > 0 and ms is not None else wall_ms
             if eager:
@@ -395,7 +365,7 @@ class Rule:
         k.rounds += 1
         for st in k.resid.values():
             st.decay(self.discount)
-        for st in (*k.gain.values(), *k.step.values()):  # what a request accepts changes faster than
+        for st in (*self.gain.values(), *self.step.values()):  # what a request accepts changes faster than
             st.decay(self.discount ** GAIN_PACE)  # what a round costs
         k.speed.decay(SPEED_DISCOUNT)
         prior = k.prior_ms.get(ran)
@@ -414,10 +384,10 @@ class Rule:
         # sizes this round told (hindsight tells a prefix of the family: every size up to the one run).
         told = {s: g for s, g in gains.items() if s in self.arms and s.mode != "ar"}
         for s, g in told.items():
-            k.gain.setdefault(s, Stat()).add(g)
+            self.gain.setdefault(s, Stat()).add(g)
             below = self.family_up_to(s)[:-1]
             if below and below[-1] in told:
-                k.step.setdefault(s, Stat()).add(g - told[below[-1]])
+                self.step.setdefault(s, Stat()).add(g - told[below[-1]])
         if k.explored:
             k.lost_ms = None  # valued at the next decision, with its estimates (they run every round)
 
@@ -459,8 +429,8 @@ class Rule:
         for b, k in self.buckets.items():
             out[str(b)] = {"prior_ms": {s.label(): ms for s, ms in k.prior_ms.items()},
                            "resid": {s.label(): st.to_json() for s, st in k.resid.items()},
-                           "gain": {s.label(): st.to_json() for s, st in k.gain.items()},
-                           "step": {s.label(): st.to_json() for s, st in k.step.items()}}
+                           "gain": {s.label(): st.to_json() for s, st in self.gain.items()},
+                           "step": {s.label(): st.to_json() for s, st in self.step.items()}}
         return out
 
     def load_json(self, d: dict) -> None:
@@ -469,7 +439,7 @@ class Rule:
         by_label = {s.label(): s for s in self.arms}
         for key, v in d.items():
             k = self.bucket(int(key))
-            for name, target in (("resid", k.resid), ("gain", k.gain), ("step", k.step)):
+            for name, target in (("resid", k.resid), ("gain", self.gain), ("step", self.step)):
                 for label, raw in v.get(name, {}).items():
                     if label in by_label:
                         st = Stat.from_json(raw)

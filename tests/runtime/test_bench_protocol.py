@@ -8,7 +8,9 @@ import click
 import pytest
 
 from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, summary
-from treeflash_runtime.bench.replay import PLAIN, PROFILES, SIZES, TREES, Tape, parse_times, replay
+from treeflash_export.config import TreeConfig
+from treeflash_runtime.bench.replay import PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, parse_times, replay
+from treeflash_runtime.plan import NodeReport, RoundReport
 
 
 def test_the_summary_takes_each_rows_median_over_the_passes():
@@ -61,3 +63,18 @@ def test_replay_times_name_every_arm_and_where_no_tree_pays_plain_decoding_is_th
     never = {"no tree pays": [Tape([{str(n): 1.0 for n in SIZES}] * 40)]}
     res = replay(never, parse_times(PROFILES["two cores"]), seeds=2, again=False)["no tree pays"]
     assert res["x_best"] == pytest.approx(res["x_plain"]) and 0.0 < res["x_plain"] <= 1.0
+
+
+def test_the_recorder_keeps_each_rounds_gain_at_every_size_of_the_family_and_starts_afresh_per_generation():
+    rec = Recorder(TreeConfig(mode="treeflash", tree_size=64, top_m=4, top_k=8).resolved(16))
+    assert rec.plan(1).report_nodes and rec.plan(1).tree.tree_size == 64 and rec.fixed_mode == "treeflash"
+    # best first (scores descending): nodes 1, 2 and 9 accepted: the 4-node tree holds 2 of them (3 tokens
+    # with the bonus), the 8-node tree too, the 16-node tree all three
+    accepted = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0] + [0.0] * 54
+    scores = [float(-i) for i in range(63)]
+    nodes = NodeReport(scores, [0.0] * 63, [0.0] * 63, accepted)
+    rec.new_generation()
+    rec.learn(RoundReport(tree=rec.plan(1).tree, gained=[[1, 2, 3, 4]], nodes=[nodes], seconds=0.1))
+    assert rec.rounds == [{"4": 3.0, "8": 3.0, "16": 4.0, "32": 4.0, "64": 4.0}]
+    rec.new_generation()
+    assert rec.rounds == []

@@ -270,7 +270,7 @@ def test_a_larger_trees_gain_is_the_smaller_ones_plus_the_step_their_shared_roun
     feed(rule, TREES[1], 15.0, {TREES[0]: 1.5, TREES[1]: 2.0}, times=3)
     feed(rule, TREES[0], 15.0, {TREES[0]: 2.0}, times=30)
     e = rule.estimate(1, TREES[1])
-    assert e.seen and e.gain == pytest.approx(2.5, abs=0.05) and rule.bucket(1).gain[TREES[1]].mean == 2.0
+    assert e.seen and e.gain == pytest.approx(2.5, abs=0.05) and rule.gain[TREES[1]].mean == 2.0
     big = rule.estimate(1, TREES[2])
     assert not big.seen and big.sure == pytest.approx(e.gain) and big.gain >= e.gain
 
@@ -314,7 +314,7 @@ def test_what_was_measured_round_trips_and_a_new_process_overrides_it_fast():
     ratio = lambda r: r.estimate(1, TREES[1]).ms / r.estimate(1, PLAIN).ms  # noqa: E731
     assert ratio(again) == pytest.approx(1.4, rel=0.1) and ratio(rule) == pytest.approx(1.4, rel=0.02)
     assert again.estimate(1, TREES[1]).gain == pytest.approx(rule.estimate(1, TREES[1]).gain)
-    assert again.bucket(1).gain[TREES[1]].n == min(LOAD_CAP, rule.bucket(1).gain[TREES[1]].n)
+    assert again.gain[TREES[1]].n == min(LOAD_CAP, rule.gain[TREES[1]].n)
     assert again.bucket(1).resid[PLAIN].n == LOAD_CAP < rule.bucket(1).resid[PLAIN].n  # a few rounds' weight
     for _ in range(20):  # this process's rounds say otherwise: they win
         feed(again, TREES[1], 14.0, {TREES[0]: 1.0, TREES[1]: 1.0})

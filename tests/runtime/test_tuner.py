@@ -9,9 +9,10 @@ import struct
 import numpy as np
 import pytest
 
+from treeflash_export.checkpoints import pair_fingerprint
 from treeflash_export.config import TreeConfig
 from treeflash_runtime.plan import NodeReport, RoundReport
-from treeflash_runtime.tuner import PLAIN, CostKey, Rule, Setting, TreeTuner, TunerStore, pair_fingerprint
+from treeflash_runtime.tuner import PLAIN, CostKey, Rule, Setting, TreeTuner, TunerStore
 from treeflash_runtime.tuner.online import best_first
 from treeflash_runtime.tuner.prior import STEADY_DRIFT, measure_prior
 from treeflash_runtime.tuner.setting import FAMILY
@@ -147,9 +148,9 @@ def test_a_tree_rounds_nodes_teach_the_smaller_trees_of_its_family_in_hindsight(
     assert best_first(nodes) == accepted
     t.learn(report(t, plan, 3, [nodes], seconds=0.03), [(0, "a")])
     k = t.rule.bucket(1)
-    assert {s: st.mean for s, st in k.gain.items()} == {TREES[0]: 3.0, TREES[1]: 3.0, TREES[2]: 3.0}
-    assert {s: st.mean for s, st in k.step.items()} == {TREES[1]: 0.0, TREES[2]: 0.0}  # each size over the last
-    assert t.rule.estimate(1, TREES[2]).ms == pytest.approx(30.0) and TREES[2] in k.resid and ARMS[1] not in k.gain
+    assert {s: st.mean for s, st in t.rule.gain.items()} == {TREES[0]: 3.0, TREES[1]: 3.0, TREES[2]: 3.0}
+    assert {s: st.mean for s, st in t.rule.step.items()} == {TREES[1]: 0.0, TREES[2]: 0.0}  # each size over the last
+    assert t.rule.estimate(1, TREES[2]).ms == pytest.approx(30.0) and TREES[2] in k.resid and ARMS[1] not in t.rule.gain
 
 
 def test_rounds_that_captured_or_ran_eagerly_teach_gains_but_not_times():
@@ -161,7 +162,7 @@ def test_rounds_that_captured_or_ran_eagerly_teach_gains_but_not_times():
         t.learn(report(t, plan, 2, seconds=0.5, **flags))
     k = t.rule.bucket(1)
     assert TREES[0] not in k.resid and not k.speed.n
-    assert k.gain[TREES[0]].n > 1.5 and k.total_ms == pytest.approx(1000.0)
+    assert t.rule.gain[TREES[0]].n > 1.5 and k.total_ms == pytest.approx(1000.0)
 
 
 def test_the_second_process_starts_where_the_first_ended(tmp_path):
@@ -217,6 +218,8 @@ def test_report_says_what_ran_what_it_gained_and_what_each_arm_is_estimated_at()
     assert set(rep["arms"]["1"]) == {s.label() for s in ARMS} and rep["choices"]["1"]["mode"] in ("ar", "chain",
                                                                                                   "treeflash")
     assert 0.0 <= rep["explore_share"]["1"] <= 1.0
+    k = t.rule.buckets[1]
+    assert rep["explore_lost_share"]["1"] == pytest.approx(t.rule.lost(1) / k.recent_ms) and k.recent_ms > 0
 
 
 def test_start_times_bucket_one_and_the_largest_and_the_buckets_between_take_both():
