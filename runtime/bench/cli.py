@@ -435,7 +435,8 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
         # Prompt by prompt, every setting in turn (the machine's drift then falls on all of them alike,
         # and each prompt's ratios compare runs minutes apart at most).
         tally = [dict(tokens=0, rounds=0, gained=0, elapsed=0.0, outs=[], used=Counter(),
-                      per_prompt=[[0, 0.0] for _ in ids]) for _ in trees]  # per prompt: tokens, seconds
+                      per_prompt=[[0, 0.0] for _ in ids],  # per prompt: tokens, seconds
+                      runs=[[0.0] * len(ids) for _ in range(repeat)]) for _ in trees]  # per run and prompt: tok/s
         for r in range(repeat):
             for j, p in enumerate(ids):
                 if sweep is not None:
@@ -448,6 +449,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
                     t["elapsed"] += took
                     t["per_prompt"][j][0] += res.stats.new_tokens
                     t["per_prompt"][j][1] += took
+                    t["runs"][r][j] = res.stats.new_tokens / took if took else 0.0
                     t["tokens"] += res.stats.new_tokens
                     t["rounds"] += res.stats.rounds
                     t["gained"] += sum(res.stats.accept_lengths)
@@ -465,6 +467,8 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
                    "mean_accepted": t["gained"] / rounds if rounds else 0.0,
                    "tokens_per_s": tokens / elapsed if elapsed else 0.0,
                    "per_prompt_tokens_per_s": [n / s if s else 0.0 for n, s in t["per_prompt"]]}
+            if repeat > 1:
+                row["per_prompt_tokens_per_s_by_run"] = t["runs"]
             if tree is None:
                 row["tuning"] = {**tuner.report(), "settings_used": dict(t["used"])}
             rows.append(row)

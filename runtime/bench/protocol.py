@@ -6,7 +6,9 @@ records for it, in one command, each figure beside plain decoding's from the sam
    ``--passes`` times over (the rows taking turns), each row's median reported.
 2. The held-out sets (everyday chat, code, standard-library requests): ``treeflash-bench
    --heldout-prompts`` with the default, the fixed trees N = 8 and 16 of the default's family (M = 4,
-   K = 8) and plain decoding, prompt by prompt.
+   K = 8) and plain decoding, prompt by prompt, ``--heldout-runs`` times over (a prompt's ratio takes
+   its runs together; plain decoding's second run against its first says how far noise alone moves a
+   prompt's ratio).
 3. In process, request slots at concurrency 1 and 8: the default, three hand tables and plain decoding
    (``--slot-runs`` runs of each, taking turns, each row the median run: a run of 16 short requests
    at concurrency 8 takes seconds, and this machine's speed moves by tens of percent between runs).
@@ -58,9 +60,12 @@ def _run(cmd: list[str], env: dict, one_core: bool, log) -> dict:
 @click.option("--passes", default=2, show_default=True,
               help="Passes over the demo prompt's rows (each from an empty tuner cache); the summary takes the "
                    "median of each row's tokens/s.")
+@click.option("--heldout-runs", default=2, show_default=True,
+              help="Runs over each held-out set (a prompt's ratio takes its runs together; plain decoding's run 2 "
+                   "against its run 1, prompt by prompt, shows how far a prompt's ratio moves by noise alone).")
 @click.option("--slot-runs", default=3, show_default=True,
               help="Runs of each request-slot row (the rows taking turns); the summary takes the median run.")
-def main(out, one_core, max_new_tokens, heldout, slots, passes, slot_runs):
+def main(out, one_core, max_new_tokens, heldout, slots, passes, heldout_runs, slot_runs):
     """Runs the protocol; prints a summary."""
     log = lambda m: click.echo(m, err=True)  # noqa: E731
     out = Path(out) / ("one-core" if one_core else "as-is")
@@ -95,6 +100,7 @@ def main(out, one_core, max_new_tokens, heldout, slots, passes, slot_runs):
     for domain in ("chat-self", "code", "chat-stdlib") if heldout else ():
         log(f"held-out {domain}")
         res["heldout"][domain] = _run(bench + ["--heldout-prompts", str(heldout), "--heldout-domain", domain,
+                                               "--repeat", str(heldout_runs),
                                                "--modes", "auto,treeflash", "--tree-sizes", "8,16", "--top-m", "4",
                                                "--top-k", "8"], env, one_core, log)
     if slots:
@@ -130,6 +136,16 @@ def held_out_ratios(passes: list[dict], row: str, fixed: list[str]) -> list[floa
     return out
 
 
+def noise_spread(row: dict) -> tuple[float, float] | None:
+    """The lowest and highest ratio of a row's second run to its first, prompt by prompt (None with
+    one run): for plain decoding, what noise alone does to a prompt's ratio."""
+    runs = row.get("per_prompt_tokens_per_s_by_run") or []
+    if len(runs) < 2:
+        return None
+    ratios = [b / a for a, b in zip(runs[0], runs[1]) if a > 0]
+    return (min(ratios), max(ratios)) if ratios else None
+
+
 def summary(res: dict) -> str:
     lines = [f"profile: {'one core, one thread' if res['one_core'] else 'as is'}; {res['max_new_tokens']} new tokens"]
     demo = res["demo"]
@@ -159,6 +175,10 @@ def summary(res: dict) -> str:
                           for s, r in rows.items() if s.startswith("treeflash"))
         lines.append(f"held-out {domain}: auto {a['speedup_vs_ar']:.2f}x plain (worst prompt {a['worst_prompt_vs_ar']:.2f}x), "
                      f"{fixed}; outputs identical {rep['identical_outputs']}")
+        spread = noise_spread(rows["ar"])
+        if spread:
+            lines.append(f"  plain decoding's run 2 against its run 1, prompt by prompt: {spread[0]:.2f}x to "
+                         f"{spread[1]:.2f}x (a prompt's ratio moves this much by noise alone)")
     if "slots" in res:
         for r in res["slots"]["rows"]:
             lines.append(f"slots {r.get('variant', ''):<24} c={r['concurrency']}: {r['tokens_per_s']:.1f} tok/s, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 import pytest
 
-from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, summary
+from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, noise_spread, summary
 from treeflash_export.config import TreeConfig
 from treeflash_runtime.bench.replay import PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, parse_times, replay
 from treeflash_runtime.plan import NodeReport, RoundReport
@@ -78,3 +78,17 @@ def test_the_recorder_keeps_each_rounds_gain_at_every_size_of_the_family_and_sta
     assert rec.rounds == [{"4": 3.0, "8": 3.0, "16": 4.0, "32": 4.0, "64": 4.0}]
     rec.new_generation()
     assert rec.rounds == []
+
+
+def test_plain_decodings_second_held_out_run_against_its_first_gives_the_noise_of_a_prompts_ratio():
+    plain = {"setting": "ar", "speedup_vs_ar": 1.0, "worst_prompt_vs_ar": 1.0,
+             "per_prompt_tokens_per_s_by_run": [[20.0, 10.0, 16.0], [18.0, 12.0, 16.0]]}
+    assert noise_spread(plain) == (0.9, 1.2)
+    assert noise_spread({"per_prompt_tokens_per_s_by_run": [[20.0, 10.0]]}) is None and noise_spread({}) is None
+    auto = {"setting": "auto", "speedup_vs_ar": 1.1, "worst_prompt_vs_ar": 0.85}
+    text = summary({"one_core": False, "max_new_tokens": 96, "demo": {
+        k: {"tokens_per_s": 20.0, "tuning": {"settings_used": {"ar": 1}}} for k in ("ar", "auto first contact",
+                                                                                     "auto again")},
+        "heldout": {"code": {"rows": [auto, plain], "identical_outputs": True}}})
+    assert "held-out code: auto 1.10x plain (worst prompt 0.85x)" in text
+    assert "run 2 against its run 1, prompt by prompt: 0.90x to 1.20x" in text
