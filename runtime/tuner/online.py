@@ -279,10 +279,11 @@ class TreeTuner:
                "resumed": self.resumed, "choices": {}, "arms": {}, "explore_share": {}, "explore_lost_share": {}}
         for b, k in self.rule.buckets.items():
             est = self.rule.estimates(b)
-            rep["choices"][str(b)] = self.rule.best(b).to_json()
+            best = self.rule.best(b, est)
+            rep["choices"][str(b)] = best.to_json()
             rep["arms"][str(b)] = {s.label(): e.to_json() for s, e in est.items()}
             rep["explore_share"][str(b)] = k.explore_ms / k.total_ms if k.total_ms else 0.0
-            rep["explore_lost_share"][str(b)] = self.rule.lost(b) / k.recent_ms if k.recent_ms else 0.0
+            rep["explore_lost_share"][str(b)] = self.rule.lost(b, est, best) / k.recent_ms if k.recent_ms else 0.0
         return rep
 
 

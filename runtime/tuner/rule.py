@@ -417,8 +417,9 @@ class Rule:
         for st in (*self.gain.values(), *self.step.values()):
             st.cap(NEW_REQUEST_CAP)
 
-    def best(self, b: int) -> Estimate:
-        return self._choice(self.estimates(b))
+    def best(self, b: int, est: dict[Setting, Estimate] | None = None) -> Estimate:
+        """Bucket b's choice now (est: its estimates, if the caller has them)."""
+        return self._choice(est or self.estimates(b))
 
     # ------------------------------------------------------------------ persistence
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import click
 import pytest
 
-from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, noise_spread, summary
 from treeflash_export.config import TreeConfig
+from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, noise_spread, summary
 from treeflash_runtime.bench.replay import PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, parse_times, replay
 from treeflash_runtime.plan import NodeReport, RoundReport
 
