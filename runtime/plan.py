@@ -77,23 +77,17 @@ class RoundReport:
         object.__setattr__(self, "drafted", 0 if self.tree.mode == "ar" else self.tree.tree_size - 1)
 
 
-class FixedPlans:
-    """The policy of a deployment without the self-tuning tree: each bucket's tree, every round.
+class Policy:
+    """What the engine asks each round (FixedPlans and the self-tuning tree implement it): start()
+    before the first admission, admitted(key, alone) / retired(key) as requests come and go,
+    plan(bucket, running keys) -> RoundPlan before each round, learn(report, [(slot, key) of the
+    running]) after it, close() when the engine stops; max_tree_size is what every request's cache
+    must hold. The hooks do nothing unless a policy needs them."""
 
-    The policy protocol the engine calls (the self-tuning tree implements it too): start() before
-    the first admission, admitted(key, alone) / retired(key) as requests come and go, plan(bucket,
-    running keys) -> RoundPlan before each round, learn(report, [(slot, key) of the running]) after
-    it, close() when the engine stops; max_tree_size is what every request's cache must hold."""
-
-    def __init__(self, trees: dict[int, TreeConfig]):
-        if not trees:
-            raise ConfigError("internal error: no tree to run (a runner without a deployment tree needs a policy)")
-        self.trees = trees
-        self.plans = {b: RoundPlan(tree=t) for b, t in trees.items()}
-        self.max_tree_size = max(max(t.tree_size, 1) for t in trees.values())
+    max_tree_size: int
 
     def plan(self, bucket: int, requests=None) -> RoundPlan:
-        return self.plans[bucket]
+        raise NotImplementedError
 
     def learn(self, report: RoundReport, running=None) -> None:
         pass
@@ -109,6 +103,20 @@ class FixedPlans:
 
     def close(self) -> None:
         pass
+
+
+class FixedPlans(Policy):
+    """The policy of a deployment without the self-tuning tree: each bucket's tree, every round."""
+
+    def __init__(self, trees: dict[int, TreeConfig]):
+        if not trees:
+            raise ConfigError("internal error: no tree to run (a runner without a deployment tree needs a policy)")
+        self.trees = trees
+        self.plans = {b: RoundPlan(tree=t) for b, t in trees.items()}
+        self.max_tree_size = max(max(t.tree_size, 1) for t in trees.values())
+
+    def plan(self, bucket: int, requests=None) -> RoundPlan:
+        return self.plans[bucket]
 
 
 def checked_tree(runner, tree: TreeConfig) -> TreeConfig:

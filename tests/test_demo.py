@@ -86,7 +86,7 @@ def test_a_large_trees_round_tells_what_the_smaller_trees_of_its_family_gain_in_
     from treeflash_runtime.backends.pytorch import TorchRunner
     from treeflash_runtime.plan import RoundPlan
     from treeflash_runtime.tuner.online import best_first
-    from treeflash_runtime.tuner.rule import hindsight
+    from treeflash_runtime.tuner.setting import hindsight
     from treeflash_runtime.tuner.setting import FAMILY, Setting
 
     runner = TorchRunner(demo.verifier, demo.drafter, capacity=256)

@@ -3,7 +3,7 @@ side by side without the machine's noise.
 
 ``record`` runs the default pair on the demo prompt and the held-out sets with the largest tree of
 the tuner's family every round, and keeps, per round, what every tree size of that family would have
-gained (hindsight: best-first trees are prefix-closed, rule.hindsight). ``run`` replays the rule
+gained (hindsight: best-first trees are prefix-closed, setting.hindsight). ``run`` replays the rule
 (tuner/rule.py as it stands) over those rounds at given round times, with 10% jitter and a burst of
 twice the time in 5% of rounds, the prior off by a common -30%..+30% and by up to 8% per arm; and the
 fixed arms (plain decoding, N = 8 and 16) over the same rounds. A setting's round at token position p
@@ -29,8 +29,9 @@ from treeflash_export.config import TreeConfig
 
 from ..plan import FixedPlans, RoundPlan, RoundReport
 from ..tuner.online import best_first
-from ..tuner.rule import Rule, hindsight
-from ..tuner.setting import FAMILY, PLAIN, Setting
+from ..tuner.cache import load_rates, rates_json
+from ..tuner.rule import Rule
+from ..tuner.setting import FAMILY, PLAIN, Setting, hindsight
 
 SIZES = (4, 8, 16, 32, 64)
 M, K = FAMILY["treeflash"]
@@ -108,8 +109,8 @@ def replay(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds: int
                 rate = play(tape, times, seed, rule)
                 if again:  # a second process, from what the first measured (as the tuner's cache)
                     first, rule = rule, Rule(ARMS, lambda b: prior, block_size=16)
-                    rule.load_json(first.to_json())
-                    rule.new_request(1)
+                    load_rates(rule, rates_json(first))
+                    rule.new_request()
                     rate = play(tape, times, seed + 1000, rule)
                 top = max(fixed.values())
                 got, best, plain = got + rate, best + top, plain + fixed[PLAIN]

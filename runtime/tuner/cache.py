@@ -14,13 +14,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from treeflash_export.fsutil import atomic_write_text
 
-FORMAT = 2  # bump when the file's layout or the meaning of its numbers changes
+from .rule import Rule, Stat
+
+FORMAT = 3  # bump when the file's layout or the meaning of its numbers changes
+LOAD_CAP = 8.0  # a saved estimate weighs at most this many rounds: the new process's rounds override it fast
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ def default_cache_dir() -> Path:
 
 
 class TunerStore:
-    """What was measured for a key: {"prior": {bucket: {label: ms}}, "rates": Rule.to_json()}."""
+    """What was measured for a key: {"prior": {bucket: {label: ms}}, "rates": rates_json(rule)}."""
 
     def __init__(self, root: Path | str | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
@@ -69,36 +73,53 @@ class TunerStore:
         return self.root / f"tuner-{key.digest()}.json"
 
     def load(self, key: CostKey, log: Callable[[str], None] | None = None) -> dict | None:
-        def parse(d):
-            if not isinstance(d.get("prior"), dict) or not isinstance(d.get("rates"), dict):
+        """The file's {prior, rates} when it exists and was written for ``key`` in this FORMAT; None when
+        it is absent; None with a log line when it is unreadable, malformed or made for another key."""
+        path = self.path(key)
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != FORMAT or data.get("key") != key.as_dict():
+                raise ValueError("made for another key or format")
+            if not isinstance(data.get("prior"), dict) or not isinstance(data.get("rates"), dict):
                 raise ValueError("no prior or rates")
-            return d
-
-        return read_keyed(self.path(key), key.as_dict(), parse, "saved tuning", log, "measuring again")
+            return data
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # JSON errors are ValueErrors; wrong types surface as Key/Type/AttributeErrors.
+            if log:
+                log(f"tuning: ignoring the saved tuning {path.name} ({type(exc).__name__}: {exc}); measuring again")
+            return None
 
     def save(self, key: CostKey, prior: dict, rates: dict) -> Path:
-        return write_keyed(self.path(key), key.as_dict(), {"prior": prior, "rates": rates})
+        """Writes {format, key, prior, rates} atomically (temp file + os.replace)."""
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"format": FORMAT, "key": key.as_dict(), "prior": prior, "rates": rates}
+        return atomic_write_text(path, json.dumps(payload, indent=1, sort_keys=True))
 
 
-def read_keyed(path: Path, key: dict, parse: Callable[[dict], object], what: str,
-               log: Callable[[str], None] | None = None, then: str = "starting afresh"):
-    """parse(file's JSON) when the file exists and was written for `key` in this FORMAT; None when it
-    is absent; None with a log line when it is unreadable, malformed or made for another key."""
-    try:
-        data = json.loads(path.read_text())
-        if data.get("format") != FORMAT or data.get("key") != key:
-            raise ValueError("made for another key or format")
-        return parse(data)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        # JSON errors are ValueErrors; wrong types surface as Key/Type/AttributeErrors.
-        if log:
-            log(f"tuning: ignoring the {what} {path.name} ({type(exc).__name__}: {exc}); {then}")
-        return None
+def rates_json(rule: Rule) -> dict:
+    """What the rule measured: each bucket's residual round times per arm, and the gains (not the
+    machine's speed: the next process measures its own). A Stat is [n, mean, m2]."""
+    out = {name: {s.label(): [st.n, st.mean, st.m2] for s, st in getattr(rule, name).items()} for name in ("gain", "step")}
+    out["resid"] = {str(b): {s.label(): [st.n, st.mean, st.m2] for s, st in k.resid.items()}
+                    for b, k in rule.buckets.items()}
+    return out
 
 
-def write_keyed(path: Path, key: dict, payload: dict) -> Path:
-    """Writes {format, key, **payload} to `path` atomically (temp file + os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write_text(path, json.dumps({"format": FORMAT, "key": key, **payload}, indent=1, sort_keys=True))
+def load_rates(rule: Rule, d: dict) -> None:
+    """An earlier process's estimates into ``rule`` (arms unknown here are skipped), each capped at
+    LOAD_CAP rounds; a bad entry raises ValueError."""
+    by_label = {s.label(): s for s in rule.arms}
+    targets = [(rule.gain, d.get("gain", {})), (rule.step, d.get("step", {}))]
+    targets += [(rule.bucket(int(b)).resid, v) for b, v in d.get("resid", {}).items()]
+    for target, stats in targets:
+        for label, raw in stats.items():
+            if label in by_label:
+                n, mean, m2 = (float(x) for x in raw)
+                if not (n >= 0 and m2 >= 0 and math.isfinite(mean)):
+                    raise ValueError(f"a bad estimate for {label}: {raw}")
+                st = Stat(n, mean, m2)
+                st.cap(LOAD_CAP)
+                target[by_label[label]] = st

@@ -21,11 +21,11 @@ from pathlib import Path
 from treeflash_export.config import TreeConfig
 from treeflash_export.errors import ConfigError
 
-from ..plan import NodeReport, RoundPlan, RoundReport
-from .cache import CostKey, TunerStore
+from ..plan import NodeReport, Policy, RoundPlan, RoundReport
+from .cache import CostKey, TunerStore, load_rates, rates_json
 from .prior import interpolated_prior, measure_prior
-from .rule import Rule, hindsight
-from .setting import FIELDS, PLAIN, Setting, candidate_settings
+from .rule import Estimate, Rule
+from .setting import FIELDS, PLAIN, Setting, candidate_settings, hindsight
 
 MAX_TREE = 64  # the largest tree the tuner builds
 PROBE_PROMPT = 64  # committed tokens while the prior is timed
@@ -72,7 +72,7 @@ def tuner_key(runner, sources, dtype: str, drafter_temperature: float = 1.0) -> 
                    content=content)
 
 
-class TreeTuner:
+class TreeTuner(Policy):
     """The engine's policy when tree settings are 'auto': per round, the rule's choice for the bucket
     as a plan; ``used`` counts the settings run, ``report`` is for --json."""
 
@@ -161,7 +161,7 @@ class TreeTuner:
                 return  # another candidate set: timed again
             self._priors = priors
             if self.key.content:
-                self.rule.load_json(saved["rates"])
+                load_rates(self.rule, saved["rates"])
         except (ValueError, KeyError, TypeError) as exc:
             if self.log:
                 self.log(f"tuning: ignoring the saved tuning ({type(exc).__name__}: {exc}); measuring again")
@@ -184,7 +184,7 @@ class TreeTuner:
         self._saved_at = now
         try:
             prior = {str(b): {s.label(): ms for s, ms in p.items()} for b, p in self._priors.items()}
-            self.store.save(self.key, prior, self.rule.to_json() if self.key.content else {})
+            self.store.save(self.key, prior, rates_json(self.rule) if self.key.content else {})
         except OSError as exc:
             try:
                 if self.log:
@@ -215,14 +215,11 @@ class TreeTuner:
         gains weigh little against its own rounds."""
         self.used.clear()
         self.tokens.clear()
-        self.rule.new_request(1)
+        self.rule.new_request()
 
     def admitted(self, key, alone: bool) -> None:
         if alone:
-            self.rule.new_request(1)
-
-    def retired(self, key) -> None:
-        pass
+            self.rule.new_request()
 
     def plan(self, bucket: int = 1, requests=None) -> RoundPlan:
         s, exploring = self.rule.decide(bucket)
@@ -280,11 +277,18 @@ class TreeTuner:
         for b, k in self.rule.buckets.items():
             est = self.rule.estimates(b)
             best = self.rule.best(b, est)
-            rep["choices"][str(b)] = best.to_json()
-            rep["arms"][str(b)] = {s.label(): e.to_json() for s, e in est.items()}
+            rep["choices"][str(b)] = estimate_json(best)
+            rep["arms"][str(b)] = {s.label(): estimate_json(e) for s, e in est.items()}
             rep["explore_share"][str(b)] = k.explore_ms / k.total_ms if k.total_ms else 0.0
             rep["explore_lost_share"][str(b)] = self.rule.lost(b, est, best) / k.recent_ms if k.recent_ms else 0.0
         return rep
+
+
+def estimate_json(e: Estimate) -> dict:
+    s = e.setting
+    return {"mode": s.mode, "tree_size": s.tree_size, "top_m": s.top_m, "top_k": s.top_k, "tokens_per_round": e.gain,
+            "round_ms": e.ms, "tokens_per_s": e.rate, "lower_tokens_per_s": e.lower, "upper_tokens_per_s": e.upper,
+            "time_measured": e.measured}
 
 
 def best_first(nodes: NodeReport) -> list[float]:

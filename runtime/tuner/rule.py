@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .setting import PLAIN, Setting
+from .setting import PLAIN, Setting, covers
 
 Z = 1.0  # upper confidence bounds at one standard error
 LOWER_Z = 0.5  # lower ones at half of that (the choice follows a well-supported mean, not the worst case)
@@ -46,7 +46,6 @@ GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens
 SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
             # standard error grows as they age: an arm not run lately is explored again)
 BURST = 1.5  # a round time counts for at most this many times the arm's mean
-LOAD_CAP = 8.0  # a persisted estimate weighs at most this many rounds: new rounds override it fast
 NEW_REQUEST_CAP = 4.0  # gains of earlier requests weigh at most this many rounds when a request starts alone
 
 
@@ -80,16 +79,6 @@ class Stat:
         var = max(var, floor_sd * floor_sd, (self.m2 + prior_sd * prior_sd) / (self.n + 1.0))
         return math.sqrt(var / max(self.n, 1e-9))
 
-    def to_json(self) -> list:
-        return [self.n, self.mean, self.m2]
-
-    @classmethod
-    def from_json(cls, v) -> "Stat":
-        n, mean, m2 = (float(x) for x in v)
-        if not (n >= 0 and m2 >= 0 and math.isfinite(mean)):
-            raise ValueError("a bad estimate")
-        return cls(n, mean, m2)
-
 
 @dataclass(frozen=True)
 class Estimate:
@@ -105,12 +94,6 @@ class Estimate:
     seen: bool = True  # its gain comes from rounds (its own or, in hindsight, a larger tree's)
     sure: float = 1.0  # tokens per round it gains at least (the most a tree it covers gained)
     fast_ms: float = 0.0  # its round time's lower bound (the upper bound's)
-
-    def to_json(self) -> dict:
-        s = self.setting
-        return {"mode": s.mode, "tree_size": s.tree_size, "top_m": s.top_m, "top_k": s.top_k,
-                "tokens_per_round": self.gain, "round_ms": self.ms, "tokens_per_s": self.rate,
-                "lower_tokens_per_s": self.lower, "upper_tokens_per_s": self.upper, "time_measured": self.measured}
 
 
 @dataclass
@@ -153,8 +136,11 @@ class Rule:
         # next smaller one of its family from the rounds that told both (see _family_gains).
         self.gain: dict[Setting, Stat] = {}
         self.step: dict[Setting, Stat] = {}
-        self._family: dict[Setting, list[Setting]] = {}  # family_up_to's answers (the arms do not change)
-        self._top_trees: list[Setting] | None = None  # _tops' answer
+        trees = [s for s in self.arms if s.mode != "ar"]
+        # Per tree, the arms of its family no larger than it, smallest first (it last): a round of it tells
+        # all of their gains; tops: the largest tree of each family.
+        self.family = {s: sorted((o for o in trees if covers(s, o)), key=lambda o: o.tree_size) for s in trees}
+        self.tops = [s for s in trees if not any(o != s and covers(o, s) for o in trees)]
 
     def bucket(self, b: int) -> Bucket:
         """Bucket b's estimates. Round times are the bucket's own; tokens per round per slot are one
@@ -175,7 +161,7 @@ class Rule:
         take z standard errors (each family's gains walked once: this runs every round)."""
         k = self.bucket(b)
         gains = {PLAIN: (1.0, 0.0, True, 1.0)}
-        for top in self._tops():
+        for top in self.tops:
             gains.update(self._family_gains(top))
         return {s: self._estimate(k, s, gains[s]) for s in self.arms}
 
@@ -212,7 +198,7 @@ class Rule:
         mean = var = 0.0
         known = None  # (the largest tree of the chain that rounds told of, its gain)
         told = True  # every smaller tree of the family was told of
-        for i, o in enumerate(self.family_up_to(top)):
+        for i, o in enumerate(self.family[top]):
             st = self.gain.get(o) if i == 0 else self.step.get(o)
             told = told and st is not None and st.n >= SEEN
             if told:
@@ -253,20 +239,6 @@ class Rule:
         mean), pooled with one round of the spread its first guess is given."""
         return st.se(_spread(st.mean), _spread(self._first_guess(s)))
 
-    def _tops(self) -> list[Setting]:
-        """The largest tree of each family (a family's every arm is among the trees it covers)."""
-        if self._top_trees is None:
-            trees = [s for s in self.arms if s.mode != "ar"]
-            self._top_trees = [s for s in trees if not any(o != s and covers(o, s) for o in trees)]
-        return self._top_trees
-
-    def family_up_to(self, s: Setting) -> list[Setting]:
-        """The arms of s's family no larger than s, smallest first (s last)."""
-        chain = self._family.get(s)
-        if chain is None:
-            chain = self._family[s] = sorted((o for o in self.arms if covers(s, o)), key=lambda o: o.tree_size)
-        return chain
-
     # ------------------------------------------------------------------ the rule
 
     def _started(self, b: int) -> Bucket:
@@ -280,7 +252,7 @@ class Rule:
     def decide(self, b: int) -> tuple[Setting, bool]:
         """(the setting of bucket b's next round, whether it is an exploration round)."""
         est = self.estimates(b)
-        best = self._choice(est)
+        best = self.best(b, est)
         k = self._started(b)
         k.decided = est  # what the round's learn needs (nothing changes in between)
         plain = est.get(PLAIN)
@@ -327,12 +299,13 @@ class Rule:
             return 1000.0 * e.gain / e.fast_ms > best.rate
         return e.upper > best.rate
 
-    @staticmethod
-    def _choice(est: dict[Setting, Estimate]) -> Estimate:
-        """The arm with the best mean rate among those rounds told of, where a tree counts only once
-        its lower bound beats plain decoding's rate (when plain decoding is a candidate): the choice
-        follows the means (covered trees share their rounds, so their differences are known better
-        than their bounds say) and leaves plain decoding only on evidence."""
+    def best(self, b: int, est: dict[Setting, Estimate] | None = None) -> Estimate:
+        """Bucket b's choice (est: its estimates, if the caller has them): the arm with the best mean
+        rate among those rounds told of, where a tree counts only once its lower bound beats plain
+        decoding's rate (when plain decoding is a candidate): the choice follows the means (covered
+        trees share their rounds, so their differences are known better than their bounds say) and
+        leaves plain decoding only on evidence."""
+        est = est or self.estimates(b)
         plain = est.get(PLAIN)
         ok = [e for e in est.values() if e.seen and (plain is None or e is plain or e.lower >= plain.rate)]
         return max(ok or est.values(), key=lambda e: (e.rate, -e.ms))
@@ -385,7 +358,7 @@ class Rule:
         told = {s: g for s, g in gains.items() if s in self.arms and s.mode != "ar"}
         for s, g in told.items():
             self.gain.setdefault(s, Stat()).add(g)
-            below = self.family_up_to(s)[:-1]
+            below = self.family[s][:-1]
             if below and below[-1] in told:
                 self.step.setdefault(s, Stat()).add(g - told[below[-1]])
         if k.explored:
@@ -403,7 +376,7 @@ class Rule:
         k = self.bucket(b)
         if k.lost_ms is None:
             est = est or self.estimates(b)
-            best = best or self._choice(est)
+            best = best or self.best(b, est)
             lost = 0.0
             for s, (took, n) in k.explored.items():
                 e = est[s]
@@ -412,58 +385,13 @@ class Rule:
             k.lost_ms = max(lost, 0.0)
         return k.lost_ms
 
-    def new_request(self, b: int) -> None:
+    def new_request(self) -> None:
         """A request starts alone: earlier requests' gains weigh at most NEW_REQUEST_CAP rounds."""
         for st in (*self.gain.values(), *self.step.values()):
             st.cap(NEW_REQUEST_CAP)
-
-    def best(self, b: int, est: dict[Setting, Estimate] | None = None) -> Estimate:
-        """Bucket b's choice now (est: its estimates, if the caller has them)."""
-        return self._choice(est or self.estimates(b))
-
-    # ------------------------------------------------------------------ persistence
-
-    def to_json(self) -> dict:
-        """What was measured, per bucket: each arm's residual time and gain estimates (not the
-        machine's speed: the next process measures its own)."""
-        out = {}
-        for b, k in self.buckets.items():
-            out[str(b)] = {"prior_ms": {s.label(): ms for s, ms in k.prior_ms.items()},
-                           "resid": {s.label(): st.to_json() for s, st in k.resid.items()},
-                           "gain": {s.label(): st.to_json() for s, st in self.gain.items()},
-                           "step": {s.label(): st.to_json() for s, st in self.step.items()}}
-        return out
-
-    def load_json(self, d: dict) -> None:
-        """Estimates of an earlier process (arms unknown here are skipped), each capped at LOAD_CAP
-        rounds so that this process's rounds override them fast; a bad entry raises ValueError."""
-        by_label = {s.label(): s for s in self.arms}
-        for key, v in d.items():
-            k = self.bucket(int(key))
-            for name, target in (("resid", k.resid), ("gain", self.gain), ("step", self.step)):
-                for label, raw in v.get(name, {}).items():
-                    if label in by_label:
-                        st = Stat.from_json(raw)
-                        st.cap(LOAD_CAP)
-                        target[by_label[label]] = st
 
 
 def _spread(gain: float) -> float:
     """The standard deviation a tree's gain of this mean is assumed to have at least (GAIN_FLOOR and
     half its extra tokens)."""
     return GAIN_FLOOR + 0.5 * (gain - 1.0)
-
-
-def covers(big: Setting, small: Setting) -> bool:
-    """Whether a round of ``big`` tells what ``small`` would have gained: the same tree mode, M and K
-    (one prefix-closed family), no more nodes."""
-    return big == small or (big.mode == small.mode and big.mode in ("treeflash", "marginal")
-                            and (big.top_m, big.top_k) == (small.top_m, small.top_k)
-                            and small.tree_size <= big.tree_size)
-
-
-def hindsight(ran: Setting, accepted: list[float], arms: list[Setting]) -> dict[Setting, float]:
-    """Tokens each arm that ``ran`` covers would have gained this round: ``accepted`` is the verified
-    tree's nodes best first (root excluded), 1.0 where accepted. The tree of n nodes is the first
-    n - 1 of them (prefix-closed), so its accepted path is what they hold of this one's."""
-    return {s: 1.0 + float(sum(accepted[: s.tree_size - 1])) for s in arms if s.mode != "ar" and covers(ran, s)}

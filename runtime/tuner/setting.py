@@ -7,7 +7,7 @@ the drafter's block size, a marginal tree has top_m 1.
 The candidates: plain decoding and, per tree mode, the sizes N in (4, 8, 16, 32, 64) with one (M, K)
 (FAMILY, unless the user gives them). One (M, K) per mode makes each mode's trees one prefix-closed
 family: a round of the largest tree tells, exactly, what every smaller one would have gained
-(rule.hindsight). Trees of another M or K are not read off a round: their tables are ranked on
+(hindsight). Trees of another M or K are not read off a round: their tables are ranked on
 their own, and the drafter's logits tie often enough (a low-precision head) that the top M of
 one ranking are not the first M of another's. The sizes are powers of two from the smallest tree
 worth building to the paper's default; the runner keeps one graph per size (and batch bucket).
@@ -82,3 +82,18 @@ def candidate_settings(modes: tuple[str, ...], block_size: int, max_tree_size: i
         else:
             raise ValueError(f"unknown mode {mode!r}")
     return out
+
+
+def covers(big: Setting, small: Setting) -> bool:
+    """Whether a round of ``big`` tells what ``small`` would have gained: the same tree mode, M and K
+    (one prefix-closed family), no more nodes."""
+    return big == small or (big.mode == small.mode and big.mode in TREE_MODES
+                            and (big.top_m, big.top_k) == (small.top_m, small.top_k)
+                            and small.tree_size <= big.tree_size)
+
+
+def hindsight(ran: Setting, accepted: list[float], arms: list[Setting]) -> dict[Setting, float]:
+    """Tokens each arm that ``ran`` covers would have gained this round: ``accepted`` is the verified
+    tree's nodes best first (root excluded), 1.0 where accepted. The tree of n nodes is the first
+    n - 1 of them (prefix-closed), so its accepted path is what they hold of this one's."""
+    return {s: 1.0 + float(sum(accepted[: s.tree_size - 1])) for s in arms if s.mode != "ar" and covers(ran, s)}

@@ -10,9 +10,9 @@ import random
 import click
 import pytest
 
-from treeflash_runtime.tuner.rule import (CREDIT_PLAIN_STEPS, EXPLORE_SHARE, FREE_PASS, LOAD_CAP, WIDER, Rule, Stat,
-                                          covers, hindsight)
-from treeflash_runtime.tuner.setting import FAMILY, PLAIN, Setting, candidate_settings
+from treeflash_runtime.tuner.cache import LOAD_CAP, load_rates, rates_json
+from treeflash_runtime.tuner.rule import CREDIT_PLAIN_STEPS, EXPLORE_SHARE, FREE_PASS, WIDER, Rule, Stat
+from treeflash_runtime.tuner.setting import FAMILY, PLAIN, Setting, candidate_settings, covers, hindsight
 
 B = 8
 M, K = FAMILY["treeflash"]
@@ -309,7 +309,7 @@ def test_what_was_measured_round_trips_and_a_new_process_overrides_it_fast():
     feed(rule, TREES[1], 14.0, {TREES[0]: 2.5, TREES[1]: 3.0}, times=40)
     feed(rule, PLAIN, 10.0, times=40)
     again = rule_with(prior)
-    again.load_json(rule.to_json())
+    load_rates(again, rates_json(rule))
     # The arms' times against each other come back (the machine's speed is this process's to measure).
     ratio = lambda r: r.estimate(1, TREES[1]).ms / r.estimate(1, PLAIN).ms  # noqa: E731
     assert ratio(again) == pytest.approx(1.4, rel=0.1) and ratio(rule) == pytest.approx(1.4, rel=0.02)
@@ -320,7 +320,7 @@ def test_what_was_measured_round_trips_and_a_new_process_overrides_it_fast():
         feed(again, TREES[1], 14.0, {TREES[0]: 1.0, TREES[1]: 1.0})
     assert again.estimate(1, TREES[1]).gain < 1.3
     with pytest.raises(ValueError):
-        again.load_json({"1": {"resid": {PLAIN.label(): [-1, 2, 3]}}})
+        load_rates(again, {"resid": {"1": {PLAIN.label(): [-1, 2, 3]}}})
 
 
 def test_a_discounted_stat_follows_a_change():

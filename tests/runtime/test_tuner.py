@@ -13,6 +13,7 @@ from treeflash_export.checkpoints import pair_fingerprint
 from treeflash_export.config import TreeConfig
 from treeflash_runtime.plan import NodeReport, RoundReport
 from treeflash_runtime.tuner import PLAIN, CostKey, Rule, Setting, TreeTuner, TunerStore
+from treeflash_runtime.tuner.cache import FORMAT
 from treeflash_runtime.tuner.online import best_first
 from treeflash_runtime.tuner.prior import STEADY_DRIFT, measure_prior
 from treeflash_runtime.tuner.setting import FAMILY
@@ -67,12 +68,13 @@ def test_a_prior_timed_while_the_machine_changed_speed_is_not_steady():
 def test_the_store_round_trips_is_keyed_and_ignores_damage(tmp_path):
     store = TunerStore(tmp_path)
     store.save(key(), {"1": {"ar": 10.0}}, {"1": {"time": {}}})
-    assert store.load(key()) == {"format": 2, "key": key().as_dict(), "prior": {"1": {"ar": 10.0}},
+    assert store.load(key()) == {"format": FORMAT, "key": key().as_dict(), "prior": {"1": {"ar": 10.0}},
                                  "rates": {"1": {"time": {}}}}
     for other in (key(dtype="bfloat16"), key(device_name="cpu x1"), key(content="other weights"), key(version="0.2")):
         assert store.load(other) is None
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    for damage in ("{not json", "", "[1, 2]", json.dumps({"format": 2, "key": key().as_dict()})):
+    for damage in ("{not json", "", "[1, 2]", json.dumps({"format": FORMAT, "key": key().as_dict()}),
+                   json.dumps({"format": FORMAT - 1, "key": key().as_dict(), "prior": {}, "rates": {}})):
         store.path(key()).write_text(damage)
         notes = []
         assert store.load(key(), notes.append) is None and "measuring again" in notes[0]
