@@ -117,7 +117,7 @@ class Bucket:
     untimed_ms: dict[Setting, float] = field(default_factory=dict)
     decided: dict | None = None  # the estimates of the last decision, for the round that follows
     rounds: int = 0
-    first_contact: bool | None = None  # no bucket had run a round when this one first decided
+    first_contact: bool | None = None  # nothing was known of the gains when this one first decided
 
 
 class Rule:
@@ -242,11 +242,13 @@ class Rule:
     # ------------------------------------------------------------------ the rule
 
     def _started(self, b: int) -> Bucket:
-        """Bucket b, marked at its first decision or round as first contact or not (whether any
-        bucket had run a round before)."""
+        """Bucket b, marked at its first decision or round as first contact or not: whether no bucket
+        had run a round before and no tree's gain was known (a process that resumed from what an
+        earlier one measured is not a first contact)."""
         k = self.bucket(b)
         if k.first_contact is None:
-            k.first_contact = not any(o.rounds for o in self.buckets.values())
+            k.first_contact = not any(o.rounds for o in self.buckets.values()) and not any(
+                st.n >= SEEN for st in self.gain.values())
         return k
 
     def decide(self, b: int) -> tuple[Setting, bool]:

@@ -86,12 +86,19 @@ def test_an_arm_whose_mean_loses_nothing_is_tried_past_the_budget_up_to_a_bound(
 
 def test_a_bucket_that_starts_after_others_explores_on_its_budget_alone():
     """First contact's credit is for the bucket that runs first, when nothing is known. A bucket that
-    starts later (requests joining) shares the gains the first one learnt, so it explores within its
-    own share of the time only: with the same losses on its account, it keeps the choice."""
+    starts later (requests joining) shares the gains the first one learnt, and a process that resumes
+    from what an earlier one measured starts with them: both explore within their own share of the
+    time only, so with the same losses on the account they keep the choice."""
     arms = [PLAIN, TREES[0]]
+    earlier = Rule(arms, lambda b: {PLAIN: 10.0, TREES[0]: 14.0}, B)
+    for _ in range(3):
+        earlier.learn(1, TREES[0], 14.0, {TREES[0]: 1.3}, True, 14.0)
 
-    def state(first_bucket: bool) -> Rule:
+    def state(first_bucket: bool, resumed: bool = False) -> Rule:
         rule = Rule(arms, lambda b: {PLAIN: 10.0, TREES[0]: 14.0}, B)
+        if resumed:
+            load_rates(rule, rates_json(earlier))
+            rule.new_request()
         if not first_bucket:
             rule.learn(1, PLAIN, 10.0, {}, False, 10.0)  # bucket 1 ran first
         rule.decide(8)
@@ -103,6 +110,7 @@ def test_a_bucket_that_starts_after_others_explores_on_its_budget_alone():
 
     assert state(first_bucket=True).decide(8) == (TREES[0], True)
     assert state(first_bucket=False).decide(8) == (PLAIN, False)
+    assert state(first_bucket=True, resumed=True).decide(8) == (PLAIN, False)
 
 
 def test_an_exploration_is_charged_by_the_arms_estimate_not_by_its_draw():
