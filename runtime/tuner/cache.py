@@ -110,11 +110,12 @@ def rates_json(rule: Rule) -> dict:
 
 def load_rates(rule: Rule, d: dict) -> None:
     """An earlier process's estimates into ``rule`` (arms unknown here are skipped), each capped at
-    LOAD_CAP rounds; a bad entry raises ValueError."""
+    LOAD_CAP rounds. A bad entry raises ValueError before anything is loaded: never half a file."""
     by_label = {s.label(): s for s in rule.arms}
-    targets = [(rule.gain, d.get("gain", {})), (rule.step, d.get("step", {}))]
-    targets += [(rule.bucket(int(b)).resid, v) for b, v in d.get("resid", {}).items()]
-    for target, stats in targets:
+    sources = [(("gain",), d.get("gain", {})), (("step",), d.get("step", {}))]
+    sources += [(("resid", int(b)), v) for b, v in d.get("resid", {}).items()]
+    parsed = []
+    for where, stats in sources:
         for label, raw in stats.items():
             if label in by_label:
                 n, mean, m2 = (float(x) for x in raw)
@@ -122,4 +123,7 @@ def load_rates(rule: Rule, d: dict) -> None:
                     raise ValueError(f"a bad estimate for {label}: {raw}")
                 st = Stat(n, mean, m2)
                 st.cap(LOAD_CAP)
-                target[by_label[label]] = st
+                parsed.append((where, by_label[label], st))
+    for where, s, st in parsed:
+        target = rule.bucket(where[1]).resid if where[0] == "resid" else getattr(rule, where[0])
+        target[s] = st

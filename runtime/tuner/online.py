@@ -165,8 +165,7 @@ class TreeTuner(Policy):
         except (ValueError, KeyError, TypeError) as exc:
             if self.log:
                 self.log(f"tuning: ignoring the saved tuning ({type(exc).__name__}: {exc}); measuring again")
-            self.rule.buckets.clear()
-            self._priors = {}
+            self._priors = {}  # load_rates loads nothing from a bad file
             return
         self.resumed = True  # said at the first engine start (a request refused before then hears nothing of it)
 

@@ -329,6 +329,10 @@ def test_what_was_measured_round_trips_and_a_new_process_overrides_it_fast():
     assert again.estimate(1, TREES[1]).gain < 1.3
     with pytest.raises(ValueError):
         load_rates(again, {"resid": {"1": {PLAIN.label(): [-1, 2, 3]}}})
+    fresh = rule_with(prior)  # a damaged file loads nothing, not the entries before the bad one
+    with pytest.raises(ValueError):
+        load_rates(fresh, {"gain": {TREES[1].label(): [3.0, 2.5, 0.1]}, "resid": {"1": {PLAIN.label(): [-1, 2, 3]}}})
+    assert not fresh.gain and not fresh.buckets
 
 
 def test_a_discounted_stat_follows_a_change():
