@@ -2,11 +2,11 @@
 
 Per batch bucket, each candidate setting (an arm) has a round time: the prior (prior.py) at the
 machine's speed now (what every real round, of any arm, says of the prior), times the arm's own
-residual (how its own rounds, everything in them, differ beyond that). Tokens per round per slot are
-shared by the buckets: a family's smallest tree's, plus each larger size's step over the next smaller
-one, from the rounds that told both (exactly, in hindsight: best-first trees are prefix-closed); until
-rounds tell it, an optimistic guess. Plain decoding gains one token a round: its rate is known once
-its time is, and it is timed first.
+residual (how its own rounds, everything in them, differ beyond that; plain decoding, timed first, is
+the residuals' zero, and a tree not yet run takes the trees'). Tokens per round per slot are shared by
+the buckets: a family's smallest tree's, plus each larger size's step over the next smaller one, from
+the rounds that told both (exactly, in hindsight: best-first trees are prefix-closed); until rounds
+tell it, an optimistic guess. Plain decoding gains one token a round: its rate is known once its time is.
 
 One rule: run the arm with the best mean rate among those rounds told of (a tree once its lower bound
 beats plain decoding); while other arms' upper bounds beat it, explore the one that surely loses least
@@ -37,6 +37,8 @@ GAIN_PACE = 2.0  # ... and the gains about the last 25 (the discount squared)
 PRIOR_SPREAD = 0.2  # relative standard error of a round time not yet measured (the prior's) ...
 FITTED_SPREAD = 0.1  # ... once two rounds have told the machine's speed
 TIME_FLOOR = 0.05  # relative standard deviation a round time is assumed to have at least
+SHRINK = 0.25  # rounds: n rounds' mean residual weighs n / (n + SHRINK) ((0.1 / PRIOR_SPREAD)^2: a round's
+               # usual spread against the prior's) against its kind's
 GAIN_FLOOR = 0.25  # tokens: the standard deviation a tree's gain is assumed to have at least ...
 STEP_FLOOR = 0.1  # ... and a size's step over the next smaller one
 STEP_PRIOR = 0.5  # tokens: the spread of a step pooled (as one round) with the rounds that told it
@@ -45,7 +47,8 @@ WIDER = 0.1  # exploration takes a larger tree of the family over a smaller one 
 GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens more per doubling of N
 SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
             # standard error grows as they age: an arm not run lately is explored again)
-BURST = 1.5  # a round time counts for at most this many times the arm's mean
+BURST = 1.5  # an exploration round counts for at most this many times the arm's mean in the budget ...
+OUTLIER_Z = 3.0  # ... and in the estimates for at most this many standard deviations over it
 NEW_REQUEST_CAP = 4.0  # gains of earlier requests weigh at most this many rounds when a request starts alone
 
 
@@ -103,7 +106,7 @@ class Bucket:
     prior_ms: dict[Setting, float]
     # Round times: log(measured / prior) = the machine's speed now + the arm's own residual. The speed
     # is every timed round's, so that an arm not run lately follows the machine (another job, a CPU
-    # of another kind); the residuals say where the prior was off for one arm against the others.
+    # of another kind); a tree's residual is how far off the prior's ratio of its round to a plain step was.
     speed: Stat = field(default_factory=Stat)
     resid: dict[Setting, Stat] = field(default_factory=dict)
     total_ms: float = 0.0  # time of all rounds
@@ -179,15 +182,25 @@ class Rule:
 
     def _time(self, k: Bucket, s: Setting) -> tuple[float, float, bool]:
         """Milliseconds per round, its relative standard error, and whether the arm's own rounds told
-        it: the prior at the machine's speed now, times the arm's residual (shrunk towards none while
-        it rests on few rounds)."""
+        it: the prior at the machine's speed now, times the arm's residual."""
         r = k.resid.get(s)
-        measured = r is not None and r.n >= 0.5
-        log_ms = math.log(k.prior_ms[s]) + (k.speed.mean if k.speed.n else 0.0)
-        if measured:
-            log_ms += r.mean * r.n / (r.n + 1.0)
+        log_ms = math.log(k.prior_ms[s]) + (k.speed.mean if k.speed.n else 0.0) + self._resid(k, s)
+        if r is not None and r.n >= 0.5:
             return math.exp(log_ms), r.se(TIME_FLOOR), True
         return math.exp(log_ms), PRIOR_SPREAD if k.speed.n < 2 else FITTED_SPREAD, False
+
+    @staticmethod
+    def _resid(k: Bucket, s: Setting) -> float:
+        """The arm's residual: its rounds' mean, shrunk (by SHRINK rounds) towards its kind's: none
+        for plain decoding (the residuals' zero), the trees' rounds together for a tree (the prior is
+        off alike for trees: an arm that has not run, or not lately, follows those that did)."""
+        kind = 0.0
+        if s.mode != "ar":
+            trees = [st for o, st in k.resid.items() if o.mode != "ar"]
+            n = sum(st.n for st in trees)
+            kind = sum(st.mean * st.n for st in trees) / n if n > 0 else 0.0
+        r = k.resid.get(s)
+        return kind if r is None or r.n <= 0 else kind + (r.mean - kind) * r.n / (r.n + SHRINK)
 
     def _family_gains(self, top: Setting) -> dict[Setting, tuple[float, float, bool, float]]:
         """(tokens per round, its standard error, whether rounds told it, what it gains at least) of
@@ -258,9 +271,10 @@ class Rule:
         k = self._started(b)
         k.decided = est  # what the round's learn needs (nothing changes in between)
         plain = est.get(PLAIN)
-        if plain is not None and not plain.measured and best.setting != PLAIN:
-            # The reference first: its rate is known once its time is, and its rounds are the cheapest.
-            return PLAIN, True
+        if plain is not None and not plain.measured:
+            # The reference first (also as the choice): its rate is known once its time is, its rounds
+            # are the cheapest, and the trees' times are told against it.
+            return PLAIN, best.setting != PLAIN
         hopeful = [e for e in est.values() if e.setting != best.setting and self._hopes(e, best)]
         if not hopeful:
             return best.setting, False
@@ -347,13 +361,14 @@ class Rule:
         if not eager:
             k.untimed_ms.pop(ran, None)  # it runs from a graph now
         if ms is not None and ms > 0 and prior:
-            # A burst (another job, a page fault) moves the estimates by at most half of it again.
-            usual = self._time(k, ran)[0]
-            x = math.log(min(ms, BURST * usual) / prior)
+            # A burst (another job, a page fault) counts as a round OUTLIER_Z standard deviations slow.
+            usual, se, _ = self._time(k, ran)
+            x = math.log(min(ms, usual * math.exp(OUTLIER_Z * math.hypot(se, TIME_FLOOR))) / prior)
             r = k.resid.setdefault(ran, Stat())
-            own = r.mean * r.n / (r.n + 1.0) if r.n else 0.0
+            own = self._resid(k, ran)
             speed = k.speed.mean if k.speed.n else x - own
-            k.speed.add(x - own)
+            if r.n > 0 or not k.speed.n:  # an arm's first round here tells its residual, not the speed
+                k.speed.add(x - own)
             r.add(x - speed)
         # Per family, the smallest tree's gain and each size's step over the next smaller one, from the
         # sizes this round told (hindsight tells a prefix of the family: every size up to the one run).
