@@ -67,8 +67,7 @@ class Stat:
         self.m2 += d * (x - self.mean)
 
     def decay(self, g: float) -> None:
-        self.n *= g
-        self.m2 *= g
+        self.n, self.m2 = self.n * g, self.m2 * g
 
     def cap(self, most: float) -> None:
         if self.n > most:
@@ -112,11 +111,10 @@ class Bucket:
     total_ms: float = 0.0  # time of all rounds
     explore_ms: float = 0.0  # ... of exploration rounds
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
-    # Per arm, its exploration rounds: [what they took, how many], discounted as the estimates are.
-    explored: dict[Setting, list[float]] = field(default_factory=dict)
+    explored: dict[Setting, list[float]] = field(default_factory=dict)  # per arm, [ms, rounds] explored
     lost_ms: float | None = 0.0  # what they lost (Rule.lost), valued as of the last round (None: not yet)
-    # What an arm's last exploration round took when it ran eagerly on a graph runner (several times a
-    # replay's time there, and untimed), until it runs from a graph: its next one likely costs that again.
+    # An arm's last exploration round when it ran eagerly on a graph runner (untimed, several replays'
+    # time), until it runs from a graph: its next one likely costs that again.
     untimed_ms: dict[Setting, float] = field(default_factory=dict)
     decided: dict | None = None  # the estimates of the last decision, for the round that follows
     rounds: int = 0
@@ -191,9 +189,8 @@ class Rule:
 
     @staticmethod
     def _resid(k: Bucket, s: Setting) -> float:
-        """The arm's residual: its rounds' mean, shrunk (by SHRINK rounds) towards its kind's: none
-        for plain decoding (the residuals' zero), the trees' rounds together for a tree (the prior is
-        off alike for trees: an arm that has not run, or not lately, follows those that did)."""
+        """The arm's residual: its rounds' mean, shrunk towards its kind's: none for plain decoding (the
+        zero), the trees' rounds together for a tree (a tree not run lately follows those that did)."""
         kind = 0.0
         if s.mode != "ar":
             trees = [st for o, st in k.resid.items() if o.mode != "ar"]
@@ -229,17 +226,14 @@ class Rule:
     def _unseen_gain(self, s: Setting, known) -> tuple[float, float, bool, float]:
         """The gain of a tree past the part of its family that rounds told of (known: the largest tree
         of that part and its gain, or None): an optimistic guess, GROWTH of that tree's extra tokens more
-        per doubling of the size (else half the most a round can gain), with an error of half its extra
-        tokens (and GAIN_FLOOR)."""
+        per doubling of the size (else half the most a round can gain), with an error of _spread's."""
         sure = known[1] if known else 1.0
         own = self.gain.get(s)  # rounds that told its gain alone (a runner that reports no nodes)
         if own is not None and own.n >= SEEN:
             return max(own.mean, sure), self._gain_se(own, s), True, sure
         most = float(min(s.tree_size, self.block_size))
-        if known:
-            guess = sure + GROWTH * (sure - 1.0) * math.log2(s.tree_size / known[0].tree_size)
-        else:
-            guess = self._first_guess(s)
+        guess = (sure + GROWTH * (sure - 1.0) * math.log2(s.tree_size / known[0].tree_size) if known
+                 else self._first_guess(s))
         guess = min(max(guess, sure), most)
         return guess, _spread(guess), False, sure
 
@@ -291,9 +285,8 @@ class Rule:
         if pick.setting.mode != "ar":  # the largest hopeful tree of its family within WIDER of its time
             near = [e for e in hopeful if covers(e.setting, pick.setting) and cost(e) <= (1.0 + WIDER) * cost(pick)]
             pick = max(near, key=lambda e: e.setting.tree_size)
-        # First contact's credit fades as the losses it paid for do; a bucket that starts after others ran
-        # has none (the gains it needs are shared). An arm whose mean loses nothing (a tree not yet shown
-        # to beat plain decoding) may go past the account up to FREE_PASS times it.
+        # First contact's credit fades as the losses it paid for do. An arm whose mean loses nothing (a
+        # tree not yet shown to beat plain decoding) may go past the account up to FREE_PASS times it.
         credit = 0.0
         if k.first_contact:
             credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
@@ -317,10 +310,9 @@ class Rule:
 
     def best(self, b: int, est: dict[Setting, Estimate] | None = None) -> Estimate:
         """Bucket b's choice (est: its estimates, if the caller has them): the arm with the best mean
-        rate among those rounds told of, where a tree counts only once its lower bound beats plain
-        decoding's rate (when plain decoding is a candidate): the choice follows the means (covered
-        trees share their rounds, so their differences are known better than their bounds say) and
-        leaves plain decoding only on evidence."""
+        rate among those rounds told of, a tree only once its lower bound beats plain decoding's rate:
+        the choice follows the means (covered trees share their rounds, so their differences are known
+        better than their bounds say) and leaves plain decoding only on evidence."""
         est = est or self.estimates(b)
         plain = est.get(PLAIN)
         ok = [e for e in est.values() if e.seen and (plain is None or e is plain or e.lower >= plain.rate)]
@@ -328,16 +320,14 @@ class Rule:
 
     def learn(self, b: int, ran: Setting, ms: float | None, gains: dict[Setting, float], explored: bool,
               wall_ms: float, eager: bool = False) -> None:
-        """A round of ``ran`` at bucket b: ms, its time when it was a replay of the code that serves
-        (None for a round that captured a graph or ran eagerly on a graph runner); gains: tokens per
-        slot for ``ran`` and, in hindsight, for the smaller trees it covers; wall_ms: what it took
-        anyway (the exploration budget counts it); eager: it ran without its graph on a graph runner."""
+        """A round of ``ran`` at bucket b: ms, its time as a replay of the code that serves (None when it
+        captured a graph or ran eagerly on a graph runner: ``eager``); gains: tokens per slot for ``ran``
+        and, in hindsight, the smaller trees it covers; wall_ms: what it took (the budget counts it)."""
         k = self._started(b)
         decided, k.decided = k.decided, None
         k.recent_ms *= self.discount
         for v in k.explored.values():
-            v[0] *= self.discount
-            v[1] *= self.discount
+            v[:] = [x * self.discount for x in v]
         if explored:
             est = decided if decided is not None else self.estimates(b)  # no decision (tests): as they stand
             k.explore_ms += wall_ms
@@ -382,14 +372,11 @@ class Rule:
             k.lost_ms = None  # valued at the next decision, with its estimates (they run every round)
 
     def lost(self, b: int, est: dict[Setting, Estimate] | None = None, best: Estimate | None = None) -> float:
-        """What bucket b's exploration rounds lost, valued with what is known now (est, best: the
-        estimates and the choice as they stand, if the caller has them): each arm's rounds took their
-        time, less the time the choice now takes for the tokens the arm gains by its estimate now (not by
-        the rounds' draws: a drafter of 2.3 tokens a round gains 1 in a quarter of its rounds, and
-        charged by draws the budget stops exploring on bad luck). Valued now, not when each round ran:
-        exploring the tree that turned out best lost nothing, and first contact, which explores against
-        plain decoding before any tree is known, is not charged as if plain decoding had stayed the
-        choice. An arm that gains more than the choice for its time pays back what others lost."""
+        """What bucket b's exploration rounds lost, valued with the estimates now (est, best: as they
+        stand, if the caller has them): each arm's rounds took their time, less the time the choice now
+        takes for the tokens the arm gains by its estimate (not by the rounds' draws: charged by draws,
+        the budget stops on bad luck). Exploring the tree that turned out best lost nothing; an arm that
+        gains more than the choice for its time pays back what others lost."""
         k = self.bucket(b)
         if k.lost_ms is None:
             est = est or self.estimates(b)
@@ -409,6 +396,5 @@ class Rule:
 
 
 def _spread(gain: float) -> float:
-    """The standard deviation a tree's gain of this mean is assumed to have at least (GAIN_FLOOR and
-    half its extra tokens)."""
+    """The least standard deviation a tree's gain of this mean has: GAIN_FLOOR and half its extra tokens."""
     return GAIN_FLOOR + 0.5 * (gain - 1.0)
