@@ -23,7 +23,7 @@ from treeflash_export.fsutil import atomic_write_text
 
 from .rule import Rule, Stat
 
-FORMAT = 3  # bump when the file's layout or the meaning of its numbers changes
+FORMAT = 4  # bump when the file's layout or the meaning of its numbers changes
 LOAD_CAP = 8.0  # a saved estimate weighs at most this many rounds: the new process's rounds override it fast
 
 

@@ -517,7 +517,8 @@ def test_tokens_per_round_are_shared_by_the_buckets_and_times_are_not():
 # python tests/runtime/test_rule.py --runs 20 prints, per case, the realised tokens/s summed over the
 # runs as a share of the best fixed arm's (of plain decoding's where no tree pays), and the worst run:
 # - cpu-like / gpu-like: the tests' machines, 200 rounds, the prior off by -30% and +30%; acceptance
-#   none, steady, drifting down or up at round 100;
+#   none, steady, drifting down or up at round 100; and plain decoding's prior 30% over with the
+#   trees' 30% under, and the reverse (acceptance none or steady);
 # - demo-like / one-core-like: round times of the demo pair on a 2-core CPU and on one core, 40 rounds
 #   (a 96-token reply), the prior off by -30%, 0 and +30%; acceptance as the tests draw it (a quarter
 #   of rounds gain one token) or none;
@@ -557,6 +558,11 @@ def summary(runs: int) -> None:
         click.echo(f"{name}, no tree pays (x plain): {_case(machine, lambda i: 0.0, BIASES, runs, 200, against_plain=True)}")
         for drift, depth in drifts.items():
             click.echo(f"{name}, {drift}: {_case(machine, depth, BIASES, runs, 200)}")
+        apart = ((0.3, -0.3), (-0.3, 0.3))  # plain decoding's prior off one way, the trees' the other
+        click.echo(f"{name}, plain's prior off against the trees', no tree pays (x plain): "
+                   f"{_case(machine, lambda i: 0.0, apart, runs, 200, against_plain=True)}")
+        click.echo(f"{name}, plain's prior off against the trees', steady: "
+                   f"{_case(machine, drifts['steady'], apart, runs, 200)}")
     three = (-0.3, 0.0, 0.3)
     for name, machine in (("demo-like", DEMO_MS), ("one-core-like", ONE_CORE_MS)):
         click.echo(f"{name}, 40 rounds: {_case(machine, lambda i: 3.5, three, 2 * runs, 40, spacing=2.0)}")
