@@ -49,6 +49,7 @@ SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at 
             # standard error grows as they age: an arm not run lately is explored again)
 BURST = 1.5  # an exploration round counts for at most this many times the arm's mean in the budget ...
 OUTLIER_Z = 3.0  # ... and in the estimates for at most this many standard deviations over it
+PLAIN_CHECK = 2.0  # rounds: plain decoding's time resting on fewer is checked against a tree that looks cheaper
 NEW_REQUEST_CAP = 4.0  # gains of earlier requests weigh at most this many rounds when a request starts alone
 
 
@@ -242,16 +243,14 @@ class Rule:
         return 1.0 + 0.5 * (min(s.tree_size, self.block_size) - 1.0)
 
     def _gain_se(self, st: Stat, s: Setting) -> float:
-        """The standard error of a tree's mean gain: its rounds' spread (at least _spread of their
-        mean), pooled with one round of the spread its first guess is given."""
+        """A tree's mean gain's standard error: its rounds' spread, pooled with one of its first guess's."""
         return st.se(_spread(st.mean), _spread(self._first_guess(s)))
 
     # ------------------------------------------------------------------ the rule
 
     def _started(self, b: int) -> Bucket:
-        """Bucket b, marked at its first decision or round as first contact or not: whether no bucket
-        had run a round before and no tree's gain was known (a process that resumed from what an
-        earlier one measured is not a first contact)."""
+        """Bucket b, marked at its first decision or round as first contact or not: no bucket had run a
+        round and no tree's gain was known (a process resumed from an earlier one's is not one)."""
         k = self.bucket(b)
         if k.first_contact is None:
             k.first_contact = not any(o.rounds for o in self.buckets.values()) and not any(
@@ -265,9 +264,11 @@ class Rule:
         k = self._started(b)
         k.decided = est  # what the round's learn needs (nothing changes in between)
         plain = est.get(PLAIN)
-        if plain is not None and not plain.measured:
-            # The reference first (also as the choice): its rate is known once its time is, its rounds
-            # are the cheapest, and the trees' times are told against it.
+        # The reference first (also as the choice): its rate is known once its time is, its rounds are
+        # the cheapest, and the trees' times are told against it. Timed again while the choice is a tree
+        # whose round looks cheaper than a plain step (never so in fact: a burst on one of its few rounds).
+        if plain is not None and (not plain.measured or (best.setting != PLAIN and best.ms < plain.ms
+                                                         and k.resid[PLAIN].n < PLAIN_CHECK)):
             return PLAIN, best.setting != PLAIN
         hopeful = [e for e in est.values() if e.setting != best.setting and self._hopes(e, best)]
         if not hopeful:
@@ -302,8 +303,7 @@ class Rule:
     @staticmethod
     def _hopes(e: Estimate, best: Estimate) -> bool:
         """Whether e's upper bound beats the choice. For a tree the choice covers, only its round time's
-        bound counts: the choice's rounds tell its gain anyway (exploring it for its gain would buy
-        nothing, and a near tie would be explored round after round)."""
+        bound counts: the choice's rounds tell its gain anyway (a near tie would be explored for ever)."""
         if e.seen and e.measured and covers(best.setting, e.setting):
             return 1000.0 * e.gain / e.fast_ms > best.rate
         return e.upper > best.rate

@@ -282,6 +282,20 @@ def test_a_burst_moves_a_well_measured_time_by_little():
     assert rule.best(1).setting == PLAIN
 
 
+
+def test_a_burst_on_plain_decodings_first_round_is_timed_again_before_a_tree_takes_over():
+    """Plain decoding's only round in the bucket was a burst (20 ms, twice its step). A tree that gains
+    nothing then looks faster (15 ms a round): never so in fact, so plain decoding is timed again
+    before the tree is the choice; once a second round says 10 ms, plain decoding is the choice. (The
+    burst still weighs half: a tree within about a third of a plain step could keep looking faster.)"""
+    rule = rule_with({PLAIN: 10.0, TREES[0]: 15.0}, arms=[PLAIN, TREES[0]])
+    feed(rule, PLAIN, 20.0)
+    feed(rule, TREES[0], 15.0, {TREES[0]: 1.0}, times=3, explored=True)
+    assert rule.best(1).setting == TREES[0]
+    assert rule.decide(1) == (PLAIN, True)
+    feed(rule, PLAIN, 10.0, explored=True)
+    assert rule.best(1).setting == PLAIN
+
 # ---- hindsight ------------------------------------------------------------------------------------
 
 def test_hindsight_gives_each_smaller_tree_of_the_family_its_exact_gain():
