@@ -51,6 +51,8 @@ BURST = 1.5  # an exploration round counts for at most this many times the arm's
 OUTLIER_Z = 3.0  # ... and in the estimates for at most this many standard deviations over it
 PLAIN_CHECK = 2.0  # rounds: plain decoding's time resting on fewer is checked against a tree that looks cheaper
 NEW_REQUEST_CAP = 4.0  # gains of earlier requests weigh at most this many rounds when a request starts alone
+                      # (the variance of requests' means is a third to a sixth of a round's: docs/tuning.md)
+PAST_DISCOUNT = 0.9  # per request: a request starts from the mean of about the last ten requests' gains
 
 
 @dataclass
@@ -138,6 +140,7 @@ class Rule:
         # next smaller one of its family from the rounds that told both (see _family_gains).
         self.gain: dict[Setting, Stat] = {}
         self.step: dict[Setting, Stat] = {}
+        self.past: dict[tuple[str, Setting], Stat] = {}  # ("gain" or "step", arm): earlier requests' means
         trees = [s for s in self.arms if s.mode != "ar"]
         # Per tree, the arms of its family no larger than it, smallest first (it last): a round of it tells
         # all of their gains; tops: the largest tree of each family.
@@ -390,9 +393,17 @@ class Rule:
         return k.lost_ms
 
     def new_request(self) -> None:
-        """A request starts alone: earlier requests' gains weigh at most NEW_REQUEST_CAP rounds."""
-        for st in (*self.gain.values(), *self.step.values()):
-            st.cap(NEW_REQUEST_CAP)
+        """A request starts alone: each gain starts from the mean of earlier requests' means, not from
+        the last request's last rounds (one request says no more of the next than another does, and its
+        end is what it had drifted to), weighing at most NEW_REQUEST_CAP rounds."""
+        for name, stats in (("gain", self.gain), ("step", self.step)):
+            for s, st in stats.items():
+                past = self.past.setdefault((name, s), Stat())
+                if st.n >= SEEN:
+                    past.decay(PAST_DISCOUNT)
+                    past.add(st.mean)
+                    st.mean = past.mean
+                st.cap(NEW_REQUEST_CAP)
 
 
 def _spread(gain: float) -> float:

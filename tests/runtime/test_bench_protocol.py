@@ -9,7 +9,8 @@ import pytest
 
 from treeflash_export.config import TreeConfig
 from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, noise_spread, summary
-from treeflash_runtime.bench.replay import PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, parse_times, replay
+from treeflash_runtime.bench.replay import (PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, parse_times, replay,
+                                           replay_warm)
 from treeflash_runtime.plan import NodeReport, RoundReport
 
 
@@ -63,6 +64,16 @@ def test_replay_times_name_every_arm_and_where_no_tree_pays_plain_decoding_is_th
     never = {"no tree pays": [Tape([{str(n): 1.0 for n in SIZES}] * 40)]}
     res = replay(never, parse_times(PROFILES["two cores"]), seeds=2, again=False)["no tree pays"]
     assert res["x_best"] == pytest.approx(res["x_plain"]) and 0.0 < res["x_plain"] <= 1.0
+
+
+def test_the_warm_replay_runs_one_rule_over_a_sets_prompts_and_finds_the_slowest():
+    """Prompts where the 16-node tree gains 6 tokens a round and one where no tree gains: a rule warmed
+    on the first is faster than plain decoding summed, and the prompt where nothing pays is the slowest,
+    at most as fast as plain decoding (every tree round there is a loss)."""
+    rich = Tape([{"4": 3.0, "8": 5.0, "16": 6.0, "32": 6.0, "64": 6.0}] * 30)
+    never = Tape([{str(n): 1.0 for n in SIZES}] * 40)
+    res = replay_warm({"set": [rich, rich, never]}, parse_times(PROFILES["two cores"]), seeds=3)["set"]
+    assert res["x_plain"] > 1.2 and res["slowest_prompt"] <= res["slowest_prompt_median"] <= 1.0
 
 
 def test_the_recorder_keeps_each_rounds_gain_at_every_size_of_the_family_and_starts_afresh_per_generation():

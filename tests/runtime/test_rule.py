@@ -376,6 +376,20 @@ def test_what_was_measured_round_trips_and_a_new_process_overrides_it_fast():
     assert not fresh.gain and not fresh.buckets
 
 
+def test_a_request_starts_from_earlier_requests_means_not_from_where_the_last_one_ended():
+    """Three requests gain 2, 2, and 2 rising to 6 tokens a round (a reply that ends in a list): the next
+    one starts near the requests' means (about 3), not near where the last one ended, and weighs few
+    rounds. (Before, it started from the last request's end.)"""
+    rule = rule_with({PLAIN: 10.0, CHAIN: 20.0, **{t: 15.0 for t in TREES}})
+    for request in ([2.0] * 30, [2.0] * 30, [2.0] * 10 + [6.0] * 20):
+        rule.new_request()
+        for g in request:
+            feed(rule, TREES[2], 14.0, {TREES[2]: g})
+    assert rule.estimate(1, TREES[2]).gain > 4.5  # about where the last request ended
+    rule.new_request()
+    assert 2.5 < rule.estimate(1, TREES[2]).gain < 3.5 and rule.gain[TREES[2]].n <= 4.0
+
+
 def test_a_discounted_stat_follows_a_change():
     st = Stat()
     for _ in range(100):
