@@ -92,6 +92,14 @@ def play(tape: Tape, times: dict[Setting, float], seed: int, rule: Rule | None =
     return 1000.0 * tape.total / ms_total
 
 
+def new_rule(times: dict[Setting, float], seed: int) -> Rule:
+    """A fresh rule whose prior is off as this seed draws it: by a common -30%..+30% and up to 8% per arm."""
+    rng = random.Random(7 * seed + 1)
+    common = rng.uniform(-0.3, 0.3)
+    prior = {s: ms * (1.0 + common + rng.uniform(-0.08, 0.08)) for s, ms in times.items()}
+    return Rule(ARMS, lambda b: prior, block_size=16)
+
+
 def replay(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds: int, again: bool) -> dict:
     """Per set: the rule's tokens/s summed over prompts and seeds as a share of the best fixed arm's
     (chosen per prompt and seed, as the protocol's best row) and of plain decoding's, and the worst run."""
@@ -101,14 +109,11 @@ def replay(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds: int
         worst = float("inf")
         for tape in group:
             for seed in range(seeds):
-                rng = random.Random(7 * seed + 1)
-                common = rng.uniform(-0.3, 0.3)
-                prior = {s: ms * (1.0 + common + rng.uniform(-0.08, 0.08)) for s, ms in times.items()}
                 fixed = {s: play(tape, times, seed, fixed=s) for s in FIXED}
-                rule = Rule(ARMS, lambda b: prior, block_size=16)
+                rule = new_rule(times, seed)
                 rate = play(tape, times, seed, rule)
                 if again:  # a second process, from what the first measured (as the tuner's cache)
-                    first, rule = rule, Rule(ARMS, lambda b: prior, block_size=16)
+                    first, rule = rule, new_rule(times, seed)
                     load_rates(rule, rates_json(first))
                     rule.new_request()
                     rate = play(tape, times, seed + 1000, rule)
@@ -129,10 +134,7 @@ def replay_warm(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds
         rule_ms = plain_ms = 0.0
         slowest = []
         for seed in range(seeds):
-            rng = random.Random(7 * seed + 1)
-            common = rng.uniform(-0.3, 0.3)
-            prior = {s: ms * (1.0 + common + rng.uniform(-0.08, 0.08)) for s, ms in times.items()}
-            rule = Rule(ARMS, lambda b: prior, block_size=16)
+            rule = new_rule(times, seed)
             play(group[0], times, 1000 * seed, rule)
             took = [[0.0, 0.0] for _ in group]  # per prompt: the rule's ms, plain decoding's ms
             for r in range(runs):

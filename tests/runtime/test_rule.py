@@ -282,7 +282,6 @@ def test_a_burst_moves_a_well_measured_time_by_little():
     assert rule.best(1).setting == PLAIN
 
 
-
 def test_a_burst_on_plain_decodings_first_round_is_timed_again_before_a_tree_takes_over():
     """Plain decoding's only round in the bucket was a burst (20 ms, twice its step). A tree that gains
     nothing then looks faster (15 ms a round): never so in fact, so plain decoding is timed again
@@ -295,6 +294,7 @@ def test_a_burst_on_plain_decodings_first_round_is_timed_again_before_a_tree_tak
     assert rule.decide(1) == (PLAIN, True)
     feed(rule, PLAIN, 10.0, explored=True)
     assert rule.best(1).setting == PLAIN
+
 
 # ---- hindsight ------------------------------------------------------------------------------------
 
