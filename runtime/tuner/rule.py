@@ -12,8 +12,7 @@ One rule: run the arm with the best mean rate among those rounds told of (a tree
 beats plain decoding); while other arms' upper bounds beat it, explore the one that surely loses least
 (or the largest tree of its family within WIDER of its time: that round tells the smaller tree's gain
 too), while what exploration lost stays under ``explore_share`` of the bucket's recent time (plus a
-credit at first contact; elsewhere the round it picks may not be expected to lose more than that
-allowance alone). What it lost is valued with the estimates now: exploring the arm that turned
+credit at first contact). What it lost is valued with the estimates now: exploring the arm that turned
 out best lost nothing. Every estimate is discounted a round, so a request that changes character is
 followed.
 
@@ -298,8 +297,6 @@ class Rule:
         allowed = self.explore_share * k.recent_ms + credit
         # A round known to cost far more than a replay (untimed before) needs room in the account.
         expected = loss(pick)
-        if expected > allowed and not k.first_contact:  # one round may not lose more than the allowance
-            return best.setting, False  # (a large tree at a large bucket: several of the choice's rounds)
         room = max(expected, 0.0) if pick.setting in k.untimed_ms else 0.0
         lost = self.lost(b, est, best)
         if lost + room <= allowed or (pick.seen and expected <= 0.0 and lost <= FREE_PASS * allowed):

@@ -115,32 +115,6 @@ def test_a_bucket_that_starts_after_others_explores_on_its_budget_alone():
     assert state(first_bucket=True, resumed=True).decide(8) == (PLAIN, False)
 
 
-def test_after_first_contact_one_exploration_round_may_not_lose_more_than_the_whole_allowance():
-    """Outside first contact (a bucket that starts after others, as bucket 8 when requests join), the
-    round the rule would explore is weighed before it runs: with nothing lost on the account, a tree
-    whose one round here is expected to lose more than the whole allowance (its round three times a
-    plain step's for 2.5 tokens: 10 ms against about 5) waits. At first contact, whose credit pays for
-    a prior that may be off, the same round runs."""
-    arms = [PLAIN, TREES[2]]
-
-    def state(first_bucket: bool) -> Rule:
-        rule = Rule(arms, lambda b: {PLAIN: 10.0, TREES[2]: 14.0} if b == 1 else {PLAIN: 20.0, TREES[2]: 60.0}, B)
-        if not first_bucket:
-            rule.learn(1, PLAIN, 10.0, {}, False, 10.0)  # bucket 1 ran first
-        rule.decide(8)
-        for _ in range(5):
-            rule.learn(8, PLAIN, 20.0, {}, False, 20.0)
-        for g in (1.0, 4.0, 1.0, 4.0):
-            rule.learn(8, TREES[2], 60.0, {TREES[2]: g}, True, 60.0)
-        rule.bucket(8).lost_ms = 0.0  # nothing lost on the account
-        est = rule.estimates(8)
-        assert est[TREES[2]].rate < est[PLAIN].rate < est[TREES[2]].upper  # hopeful, not the choice
-        return rule
-
-    assert state(first_bucket=True).decide(8) == (TREES[2], True)
-    assert state(first_bucket=False).decide(8) == (PLAIN, False)
-
-
 def test_an_exploration_is_charged_by_the_arms_estimate_not_by_its_draw():
     """An exploration round loses its time less the choice's time for the tokens the arm gains by its
     estimate after the round: a tree that gained about 3 tokens a round, unlucky once (1 token), is
