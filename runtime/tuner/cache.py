@@ -2,11 +2,9 @@
 folder (the prior's round times, and the rule's estimates per bucket), so that the next process
 starts where the last one ended.
 
-The file name is a hash of the key; the key is also stored inside the file and compared on load,
-so a hash collision, a hand-edited file or a file from another format is a miss, never a wrong
-answer. Anything unreadable (truncated JSON, wrong types, a key that differs) is a miss: the
-caller measures again and the new file replaces the old one atomically (temp file + os.replace),
-so a reader sees the old file or the new one, never half of one.
+The file name is a hash of the key; the key is stored inside too and compared on load. Anything
+unreadable (truncated JSON, wrong types, another key or format) is a miss, never a wrong answer: the
+caller measures again, and the new file replaces the old one atomically (temp file + os.replace).
 """
 
 from __future__ import annotations

@@ -33,12 +33,10 @@ SAVE_EVERY_S = 30.0  # what was learnt goes to disk at most this often (and when
 
 
 def runner_modes(runner) -> tuple[str, ...]:
-    """The modes the tuner chooses between for this pair: plain decoding, and the richest tree the
-    drafter builds: TreeFlash trees with an AR-approximation head, else marginal trees and the chain.
-    With a head, the marginal trees and the chain are left out: they are built from the same drafter
-    pass with less (not the head's conditionals); on the demo pair they gained fewer tokens a round
-    at each size and ran slower than the best TreeFlash tree (docs/tuning.md), and leaving them out
-    halves what first contact explores. They stay available as explicit modes."""
+    """The modes the tuner chooses between for this pair: plain decoding, and TreeFlash trees with an
+    AR-approximation head, else marginal trees and the chain. With a head those two are left out (on
+    the demo pair they gained fewer tokens a round at each size, docs/tuning.md; first contact then
+    explores half as much); they stay available as explicit modes."""
     if runner.block_size < 2:
         return ("ar",)
     return ("ar", "treeflash") if runner.has_head else ("ar", "chain", "marginal")
@@ -80,8 +78,7 @@ class TreeTuner(Policy):
                  key: CostKey | None = None, measure=None, log=None, top_bucket: int = 1):
         """measure(bucket) -> ({setting: ms}, steady): the prior of a bucket, timed on the runner
         (None: none can be timed, e.g. in tests, where the rule's prior_ms is given). top_bucket:
-        the runner's largest batch bucket, timed too (buckets between take the two ends' prior,
-        interpolated)."""
+        the runner's largest batch bucket, timed too."""
         self.rule, self.log = rule, log
         self.drafter_temperature = drafter_temperature
         self.context = context  # plain steps keep the drafter's context (a tree may follow)
@@ -194,24 +191,20 @@ class TreeTuner(Policy):
     # ------------------------------------------------------------------ the engine's policy protocol
 
     def start(self) -> None:
-        """Before an engine admits anything: the prior of bucket 1 and of the largest bucket is timed
-        now (the probe takes slots, so never while requests hold one); the buckets between start from
-        the two, interpolated, and learn from their rounds."""
+        """Before an engine admits anything (the probe takes slots): bucket 1's and the largest bucket's
+        priors are timed now (the buckets between interpolate them and learn from their rounds)."""
         if self.resumed and self.log and not self._said:
             self.log("tuning: starting from what earlier runs with this pair on this machine measured")
         self._said = True
         self.rule.bucket(1)
         if self.top_bucket > 1 and self.top_bucket not in self._priors and self.measure is not None:
-            # Rounds of many slots cost another share of plain decoding's step than one slot's (on a
-            # CPU several times more): the largest bucket is timed too, while no request holds a slot.
-            self._time_prior(self.top_bucket)
+            self._time_prior(self.top_bucket)  # many slots' rounds cost another share of a plain step
 
     def close(self) -> None:
         self.save(force=True)
 
     def new_generation(self) -> None:
-        """One sequence starts (loop.generate): the report counts it alone, and earlier requests'
-        gains weigh little against its own rounds."""
+        """One sequence starts (loop.generate): the report counts it alone."""
         self.used.clear()
         self.tokens.clear()
         self.rule.new_request()
@@ -225,11 +218,9 @@ class TreeTuner(Policy):
         self._current[bucket] = (s, exploring)
         self._bucket = bucket
         self.used[s] += 1
-        # Tree rounds report their verified nodes (what the smaller trees would have gained). On a graph
-        # runner an exploration round replays the graph the cost probe kept (greedy rounds of the buckets
-        # it timed); else it runs eagerly the first time (once is not worth a capture) and is captured
-        # the next (a setting explored again keeps coming back: its replays then cost a fraction of an
-        # eager round, and are timed). Plain decoding, the reference, is always worth a capture.
+        # Tree rounds report their verified nodes (the smaller trees' gains). On a graph runner an
+        # exploration round replays the graph the cost probe kept, else runs eagerly the first time and
+        # is captured the next (a setting explored again keeps coming back). Plain steps always capture.
         capture = not exploring or s.mode == "ar" or (bucket, s) in self._explored
         if exploring:
             self._explored.add((bucket, s))
@@ -266,10 +257,8 @@ class TreeTuner(Policy):
         return tree
 
     def report(self) -> dict:
-        """For --json: rounds and realised tokens per setting, and per bucket the choice now, every
-        arm's estimate, the share of its time exploration rounds took, and the share of its recent
-        time they lost (valued with the estimates now: an exploration of an arm as good as the choice
-        takes time and loses none)."""
+        """For --json: rounds and realised tokens per setting; per bucket the choice now, every arm's
+        estimate, the share of its time exploration took and the share of its recent time it lost."""
         rep = {"settings_used": {s.label(): n for s, n in self.used.items()},
                "realised_tokens_per_round": {s.label(): self.tokens[s] / n for s, n in self.used.items() if n},
                "resumed": self.resumed, "choices": {}, "arms": {}, "explore_share": {}, "explore_lost_share": {}}

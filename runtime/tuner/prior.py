@@ -9,10 +9,9 @@ The probe protocol (the runner implements it; nothing here touches a tensor):
                                                             one whole round at that setting (tree: the
                                                             config the tuner's plans carry for it)
 
-Each time is the median of a few calls after a warm-up call (graphs, allocator, kernels compiling).
-The plain step is timed before and after the rounds: when the two differ by more than STEADY_DRIFT
-the machine's speed changed meanwhile (another job started or stopped), and the prior serves this
-process only (it is not kept for the next one).
+Each time is the median of a few calls after a warm-up call. The plain step is timed before and
+after the rounds: when the two differ by more than STEADY_DRIFT the machine's speed changed meanwhile
+(another job?), and the prior serves this process only.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """The self-tuning tree's rule: decide from measured throughput, predict only to order exploration.
 
-Per batch bucket, each candidate setting (an arm) has a round time: the prior (prior.py) at the
-machine's speed now (what every real round, of any arm, says of the prior), times the arm's own
-residual (how its own rounds, everything in them, differ beyond that; plain decoding, timed first, is
-the residuals' zero, and a tree not yet run takes the trees'). Tokens per round per slot are shared by
-the buckets: a family's smallest tree's, plus each larger size's step over the next smaller one, from
-the rounds that told both (exactly, in hindsight: best-first trees are prefix-closed); until rounds
-tell it, an optimistic guess. Plain decoding gains one token a round: its rate is known once its time is.
+Per batch bucket, an arm's (candidate setting's) round time is the prior (prior.py) at the machine's
+speed now (what every real round says of the prior), times the arm's own residual (plain decoding,
+timed first, is the residuals' zero; a tree not yet run takes the trees'). Tokens per round per slot
+are shared by the buckets: a family's smallest tree's plus each larger size's step over the next
+smaller one, from the rounds that told both (exactly, in hindsight: best-first trees are
+prefix-closed); until rounds tell it, an optimistic guess. Plain decoding gains one token a round.
 
 One rule: run the arm with the best mean rate among those rounds told of (a tree once its lower bound
 beats plain decoding); while other arms' upper bounds beat it, explore the one that surely loses least
-(or the largest tree of its family within WIDER of its time: that round tells the smaller tree's gain
-too), while what exploration lost stays under ``explore_share`` of the bucket's recent time (plus a
-credit at first contact). What it lost is valued with the estimates now: exploring the arm that turned
-out best lost nothing. Every estimate is discounted a round, so a request that changes character is
-followed.
+(or the largest tree of its family within WIDER of its time), while what exploration lost, valued with
+the estimates now, stays under ``explore_share`` of the bucket's recent time (plus a credit at first
+contact). Every estimate is discounted a round, so a request that changes character is followed.
 
 Pure: no runner, no tensors, no clock; ``learn`` takes what a round measured.
 """
@@ -37,21 +34,17 @@ GAIN_PACE = 2.0  # ... and the gains about the last 25 (the discount squared)
 PRIOR_SPREAD = 0.2  # relative standard error of a round time not yet measured (the prior's) ...
 FITTED_SPREAD = 0.1  # ... once two rounds have told the machine's speed
 TIME_FLOOR = 0.05  # relative standard deviation a round time is assumed to have at least
-SHRINK = 0.25  # rounds: n rounds' mean residual weighs n / (n + SHRINK) ((0.1 / PRIOR_SPREAD)^2: a round's
-               # usual spread against the prior's) against its kind's
+SHRINK = 0.25  # rounds: n rounds' mean residual weighs n / (n + SHRINK) against its kind's ((0.1 / PRIOR_SPREAD)^2)
 GAIN_FLOOR = 0.25  # tokens: the standard deviation a tree's gain is assumed to have at least ...
 STEP_FLOOR = 0.1  # ... and a size's step over the next smaller one
 STEP_PRIOR = 0.5  # tokens: the spread of a step pooled (as one round) with the rounds that told it
-WIDER = 0.1  # exploration takes a larger tree of the family over a smaller one while a round of it
-             # costs at most this much more (its round tells the smaller tree's gain too)
+WIDER = 0.1  # exploration takes a larger tree of a family while its round costs at most this much more
 GROWTH = 0.25  # an unseen tree's guess: this share of a seen one's extra tokens more per doubling of N
-SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (its
-            # standard error grows as they age: an arm not run lately is explored again)
+SEEN = 0.1  # an arm's gain rests on rounds while their discounted weight is at least this (then: explored again)
 BURST = 1.5  # an exploration round counts for at most this many times the arm's mean in the budget ...
 OUTLIER_Z = 3.0  # ... and in the estimates for at most this many standard deviations over it
 PLAIN_CHECK = 2.0  # rounds: plain decoding's time resting on fewer is checked against a tree that looks cheaper
 NEW_REQUEST_CAP = 4.0  # gains of earlier requests weigh at most this many rounds when a request starts alone
-                      # (the variance of requests' means is a third to a sixth of a round's: docs/tuning.md)
 PAST_DISCOUNT = 0.9  # per request: a request starts from the mean of about the last ten requests' gains
 
 
@@ -106,9 +99,8 @@ class Bucket:
     """One batch bucket's estimates and time accounts."""
 
     prior_ms: dict[Setting, float]
-    # Round times: log(measured / prior) = the machine's speed now + the arm's own residual. The speed
-    # is every timed round's, so that an arm not run lately follows the machine (another job, a CPU
-    # of another kind); a tree's residual is how far off the prior's ratio of its round to a plain step was.
+    # Round times: log(measured / prior) = the machine's speed now (every timed round's, so that an arm
+    # not run lately follows the machine) + the arm's own residual.
     speed: Stat = field(default_factory=Stat)
     resid: dict[Setting, Stat] = field(default_factory=dict)
     total_ms: float = 0.0  # time of all rounds
@@ -116,9 +108,7 @@ class Bucket:
     recent_ms: float = 0.0  # time of all rounds, discounted as the estimates are (the budget's base)
     explored: dict[Setting, list[float]] = field(default_factory=dict)  # per arm, [ms, rounds] explored
     lost_ms: float | None = 0.0  # what they lost (Rule.lost), valued as of the last round (None: not yet)
-    # An arm's last exploration round when it ran eagerly on a graph runner (untimed, several replays'
-    # time), until it runs from a graph: its next one likely costs that again.
-    untimed_ms: dict[Setting, float] = field(default_factory=dict)
+    untimed_ms: dict[Setting, float] = field(default_factory=dict)  # an arm's last eager (untimed) round
     decided: dict | None = None  # the estimates of the last decision, for the round that follows
     rounds: int = 0
     first_contact: bool | None = None  # nothing was known of the gains when this one first decided
@@ -136,8 +126,7 @@ class Rule:
         self.prior_ms, self.block_size = prior_ms, block_size
         self.explore_share, self.discount, self.z = explore_share, discount, z
         self.buckets: dict[int, Bucket] = {}
-        # Tokens per round per slot, shared by the buckets: each tree's, and each size's step over the
-        # next smaller one of its family from the rounds that told both (see _family_gains).
+        # Tokens per round per slot, shared by the buckets: each tree's, and each size's step (_family_gains).
         self.gain: dict[Setting, Stat] = {}
         self.step: dict[Setting, Stat] = {}
         self.past: dict[tuple[str, Setting], Stat] = {}  # ("gain" or "step", arm): earlier requests' means
@@ -148,9 +137,7 @@ class Rule:
         self.tops = [s for s in trees if not any(o != s and covers(o, s) for o in trees)]
 
     def bucket(self, b: int) -> Bucket:
-        """Bucket b's estimates. Round times are the bucket's own; tokens per round per slot are one
-        estimate for all buckets (they are the requests' and the drafter's, not the batch's), so a
-        larger bucket starts from what the smaller ones learnt."""
+        """Bucket b's estimates (round times; the gains are the requests' and the drafter's, shared)."""
         if b not in self.buckets:
             self.buckets[b] = Bucket(prior_ms=dict(self.prior_ms(b)))
         return self.buckets[b]
@@ -267,9 +254,8 @@ class Rule:
         k = self._started(b)
         k.decided = est  # what the round's learn needs (nothing changes in between)
         plain = est.get(PLAIN)
-        # The reference first (also as the choice): its rate is known once its time is, its rounds are
-        # the cheapest, and the trees' times are told against it. Timed again while the choice is a tree
-        # whose round looks cheaper than a plain step (never so in fact: a burst on one of its few rounds).
+        # The reference first (its rate is known once its time is; the trees' times are told against
+        # it), and again while the choice is a tree whose round looks cheaper than a plain step (a burst).
         if plain is not None and (not plain.measured or (best.setting != PLAIN and best.ms < plain.ms
                                                          and k.resid[PLAIN].n < PLAIN_CHECK)):
             return PLAIN, best.setting != PLAIN
@@ -289,8 +275,8 @@ class Rule:
         if pick.setting.mode != "ar":  # the largest hopeful tree of its family within WIDER of its time
             near = [e for e in hopeful if covers(e.setting, pick.setting) and cost(e) <= (1.0 + WIDER) * cost(pick)]
             pick = max(near, key=lambda e: e.setting.tree_size)
-        # First contact's credit fades as the losses it paid for do. An arm whose mean loses nothing (a
-        # tree not yet shown to beat plain decoding) may go past the account up to FREE_PASS times it.
+        # First contact's credit fades as the losses it paid for do. An arm whose mean loses nothing may
+        # go past the account up to FREE_PASS times it.
         credit = 0.0
         if k.first_contact:
             credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
@@ -305,8 +291,8 @@ class Rule:
 
     @staticmethod
     def _hopes(e: Estimate, best: Estimate) -> bool:
-        """Whether e's upper bound beats the choice. For a tree the choice covers, only its round time's
-        bound counts: the choice's rounds tell its gain anyway (a near tie would be explored for ever)."""
+        """Whether e's upper bound beats the choice (for a tree the choice covers, its time's bound only:
+        the choice's rounds tell its gain anyway)."""
         if e.seen and e.measured and covers(best.setting, e.setting):
             return 1000.0 * e.gain / e.fast_ms > best.rate
         return e.upper > best.rate
@@ -375,11 +361,10 @@ class Rule:
             k.lost_ms = None  # valued at the next decision, with its estimates (they run every round)
 
     def lost(self, b: int, est: dict[Setting, Estimate] | None = None, best: Estimate | None = None) -> float:
-        """What bucket b's exploration rounds lost, valued with the estimates now (est, best: as they
-        stand, if the caller has them): each arm's rounds took their time, less the time the choice now
-        takes for the tokens the arm gains by its estimate (not by the rounds' draws: charged by draws,
-        the budget stops on bad luck). Exploring the tree that turned out best lost nothing; an arm that
-        gains more than the choice for its time pays back what others lost."""
+        """What bucket b's exploration rounds lost, valued with the estimates now (est, best: if the
+        caller has them): their time less the time the choice now takes for the tokens each arm gains by
+        its estimate (by the rounds' draws, the budget would stop on bad luck). An arm that gains more
+        than the choice for its time pays back what others lost."""
         k = self.bucket(b)
         if k.lost_ms is None:
             est = est or self.estimates(b)
@@ -393,9 +378,8 @@ class Rule:
         return k.lost_ms
 
     def new_request(self) -> None:
-        """A request starts alone: each gain starts from the mean of earlier requests' means, not from
-        the last request's last rounds (one request says no more of the next than another does, and its
-        end is what it had drifted to), weighing at most NEW_REQUEST_CAP rounds."""
+        """A request starts alone: each gain starts from the mean of earlier requests' means (not from
+        the last request's end), weighing at most NEW_REQUEST_CAP rounds."""
         for name, stats in (("gain", self.gain), ("step", self.step)):
             for s, st in stats.items():
                 past = self.past.setdefault((name, s), Stat())

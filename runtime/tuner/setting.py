@@ -5,12 +5,10 @@ A `Setting` is (mode, tree_size, top_m, top_k) in the runner's resolved form (se
 the drafter's block size, a marginal tree has top_m 1.
 
 The candidates: plain decoding and, per tree mode, the sizes N in (4, 8, 16, 32, 64) with one (M, K)
-(FAMILY, unless the user gives them). One (M, K) per mode makes each mode's trees one prefix-closed
-family: a round of the largest tree tells, exactly, what every smaller one would have gained
-(hindsight). Trees of another M or K are not read off a round: their tables are ranked on
-their own, and the drafter's logits tie often enough (a low-precision head) that the top M of
-one ranking are not the first M of another's. The sizes are powers of two from the smallest tree
-worth building to the paper's default; the runner keeps one graph per size (and batch bucket).
+(FAMILY, unless the user gives them): each mode's trees are then one prefix-closed family, and a round
+of the largest tells exactly what every smaller one would have gained (hindsight). Trees of another M
+or K are not read off a round (their tables are ranked on their own, and a low-precision head's logits
+tie often enough that one ranking's top M are not another's first M).
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ from typing import NamedTuple
 TREE_SIZES = (4, 8, 16, 32, 64)
 TREE_MODES = ("treeflash", "marginal")
 FIELDS = ("mode", "tree_size", "top_m", "top_k")
-# (M, K) of each tree mode unless given. K = 8 children per row give trees up to 64 nodes room to
-# branch; M = 4 parent rows per position cost (B - 1) x 4 rows through the LM head, a few percent of a
-# CPU round (the verification is most of it). On the demo pair's CPU, M = 4 and K = 8 gained the most
-# tokens a round at each size, at about the cost of M = 2 (docs/results).
+# (M, K) of each tree mode unless given: on the demo pair's CPU, M = 4 and K = 8 gained the most tokens a
+# round at each size, at about the cost of M = 2 (docs/results); K = 8 lets trees of 64 nodes branch.
 FAMILY = {"treeflash": (4, 8), "marginal": (1, 8)}
 
 class Setting(NamedTuple):
@@ -43,10 +39,6 @@ class Setting(NamedTuple):
 
 
 PLAIN = Setting("ar", 1, 1, 1)
-
-
-def chain_setting(block_size: int) -> Setting:
-    return Setting("chain", block_size, 1, 1)
 
 
 def candidate_settings(modes: tuple[str, ...], block_size: int, max_tree_size: int = 64, fixed: dict | None = None,
@@ -74,7 +66,7 @@ def candidate_settings(modes: tuple[str, ...], block_size: int, max_tree_size: i
         if mode == "ar":
             out.append(PLAIN)
         elif mode == "chain":
-            out.append(chain_setting(block_size))
+            out.append(Setting("chain", block_size, 1, 1))
         elif mode in TREE_MODES:
             m, k = FAMILY[mode]
             m = 1 if mode == "marginal" else fixed.get("top_m", m)
