@@ -62,7 +62,8 @@ def run_batching_bench(sess, prompts: list[list[int]], concurrency: list[int], m
     Outputs are compared with the first variant's first row (greedy: they must be identical).
     repeat > 1: every variant and concurrency runs that many times, the variants taking turns (a
     machine that slows down or speeds up during the run then touches them all alike), and each row
-    is the run with the median tokens/s, with every run's tokens/s beside it."""
+    is the run with the median tokens/s, with every run's tokens/s beside it (and its ratio to plain
+    decoding's run of the same turn: the ratios' spread is what noise moves a row by)."""
     from ..engine import Engine, fixed_plans
 
     if not concurrency or min(concurrency) < 1:
@@ -105,6 +106,8 @@ def run_batching_bench(sess, prompts: list[list[int]], concurrency: list[int], m
         row["ratio_to_first"] = row["tokens_per_s"] / first["tokens_per_s"]
         plain = next((r for r in rows if r["variant"] == "ar" and r["concurrency"] == row["concurrency"]), None)
         row["ratio_to_ar"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain else None
+        if plain and repeat > 1:  # each run against plain decoding's run of the same turn: the spread
+            row["ratio_to_ar_runs"] = [a / p for a, p in zip(row["tokens_per_s_runs"], plain["tokens_per_s_runs"])]
     return {"rows": rows, "identical_outputs": all(r["identical_outputs"] for r in rows), "requests": len(prompts),
             "max_new_tokens": max_new_tokens, "variants": [v[0] for v in variants], "repeat": repeat,
             "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", ""),

@@ -181,8 +181,10 @@ def summary(res: dict) -> str:
                          f"{spread[1]:.2f}x (a prompt's ratio moves this much by noise alone)")
     if "slots" in res:
         for r in res["slots"]["rows"]:
+            runs = r.get("ratio_to_ar_runs") if r.get("variant") != "ar" else None
             lines.append(f"slots {r.get('variant', ''):<24} c={r['concurrency']}: {r['tokens_per_s']:.1f} tok/s, "
-                         f"{r.get('ratio_to_ar') or 1.0:.2f}x plain")
+                         f"{r.get('ratio_to_ar') or 1.0:.2f}x plain"
+                         + (f" (run by run {min(runs):.2f}x to {max(runs):.2f}x)" if runs else ""))
     return "\n".join(lines)
 
 

@@ -103,3 +103,13 @@ def test_plain_decodings_second_held_out_run_against_its_first_gives_the_noise_o
         "heldout": {"code": {"rows": [auto, plain], "identical_outputs": True}}})
     assert "held-out code: auto 1.10x plain (worst prompt 0.85x)" in text
     assert "run 2 against its run 1, prompt by prompt: 0.90x to 1.20x" in text
+    # The slot rows: each row against plain decoding, with the run-by-run spread where there are runs.
+    demo = {k: {"tokens_per_s": 20.0, "tuning": {"settings_used": {"ar": 1}}} for k in ("ar", "auto first contact",
+                                                                                      "auto again")}
+    text = summary({"one_core": False, "max_new_tokens": 96, "demo": demo, "slots": {"rows": [
+        {"variant": "auto", "concurrency": 8, "tokens_per_s": 98.0, "ratio_to_ar": 0.98,
+         "ratio_to_ar_runs": [0.97, 1.02, 0.98]},
+        {"variant": "ar", "concurrency": 8, "tokens_per_s": 100.0, "ratio_to_ar": 1.0,
+         "ratio_to_ar_runs": [1.0, 1.0, 1.0]}]}})
+    assert "c=8: 98.0 tok/s, 0.98x plain (run by run 0.97x to 1.02x)" in text
+    assert "c=8: 100.0 tok/s, 1.00x plain\n" in text + "\n"

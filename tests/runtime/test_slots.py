@@ -312,6 +312,9 @@ def test_bench_concurrency_rows_report_latency_and_identical_outputs(pair_dirs):
         ("chain", 1), ("chain", 3), ("ar", 1), ("ar", 3)]
     for row in report["rows"]:
         assert len(row["tokens_per_s_runs"]) == 3 and row["tokens_per_s"] == sorted(row["tokens_per_s_runs"])[1]
+        plain = next(r for r in report["rows"] if r["variant"] == "ar" and r["concurrency"] == row["concurrency"])
+        assert row["ratio_to_ar_runs"] == pytest.approx(
+            [a / p for a, p in zip(row["tokens_per_s_runs"], plain["tokens_per_s_runs"])])
 
 
 # ---------------------------------------------------------------- what CUDA captures, on the CPU
