@@ -91,22 +91,25 @@ def test_the_recorder_keeps_each_rounds_gain_at_every_size_of_the_family_and_sta
     assert rec.rounds == []
 
 
+# The demo rows a summary needs, when a test is about the others.
+DEMO_ROWS = {k: {"tokens_per_s": 20.0, "tuning": {"settings_used": {"ar": 1}}}
+             for k in ("ar", "auto first contact", "auto again")}
+
+
 def test_plain_decodings_second_held_out_run_against_its_first_gives_the_noise_of_a_prompts_ratio():
     plain = {"setting": "ar", "speedup_vs_ar": 1.0, "worst_prompt_vs_ar": 1.0,
              "per_prompt_tokens_per_s_by_run": [[20.0, 10.0, 16.0], [18.0, 12.0, 16.0]]}
     assert noise_spread(plain) == (0.9, 1.2)
     assert noise_spread({"per_prompt_tokens_per_s_by_run": [[20.0, 10.0]]}) is None and noise_spread({}) is None
     auto = {"setting": "auto", "speedup_vs_ar": 1.1, "worst_prompt_vs_ar": 0.85}
-    text = summary({"one_core": False, "max_new_tokens": 96, "demo": {
-        k: {"tokens_per_s": 20.0, "tuning": {"settings_used": {"ar": 1}}} for k in ("ar", "auto first contact",
-                                                                                     "auto again")},
-        "heldout": {"code": {"rows": [auto, plain], "identical_outputs": True}}})
+    text = summary({"one_core": False, "max_new_tokens": 96, "demo": DEMO_ROWS,
+                    "heldout": {"code": {"rows": [auto, plain], "identical_outputs": True}}})
     assert "held-out code: auto 1.10x plain (worst prompt 0.85x)" in text
     assert "run 2 against its run 1, prompt by prompt: 0.90x to 1.20x" in text
-    # The slot rows: each row against plain decoding, with the run-by-run spread where there are runs.
-    demo = {k: {"tokens_per_s": 20.0, "tuning": {"settings_used": {"ar": 1}}} for k in ("ar", "auto first contact",
-                                                                                      "auto again")}
-    text = summary({"one_core": False, "max_new_tokens": 96, "demo": demo, "slots": {"rows": [
+
+
+def test_the_slot_rows_give_each_row_against_plain_decoding_with_its_runs_spread():
+    text = summary({"one_core": False, "max_new_tokens": 96, "demo": DEMO_ROWS, "slots": {"rows": [
         {"variant": "auto", "concurrency": 8, "tokens_per_s": 98.0, "ratio_to_ar": 0.98,
          "ratio_to_ar_runs": [0.97, 1.02, 0.98]},
         {"variant": "ar", "concurrency": 8, "tokens_per_s": 100.0, "ratio_to_ar": 1.0,
