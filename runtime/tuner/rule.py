@@ -9,9 +9,12 @@ prefix-closed); until rounds tell it, an optimistic guess. Plain decoding gains 
 
 One rule: run the arm with the best mean rate among those rounds told of (a tree once its lower bound
 beats plain decoding); while other arms' upper bounds beat it, explore the one that surely loses least
-(or the largest tree of its family within WIDER of its time), while what exploration lost, valued with
-the estimates now, stays under ``explore_share`` of the bucket's recent time (plus a credit at first
-contact). Every estimate is discounted a round, so a request that changes character is followed.
+(or the largest tree of its family within WIDER of its time) where a bank holds what that round is
+expected to lose: every round adds ``explore_share`` of its time, an exploration pays what it lost, so
+exploration loses that share of the time whatever one round costs. At first contact (its first
+FIRST_ROUNDS rounds) the account is instead what exploration lost, valued with the estimates now, under
+that share of the recent time plus a credit. Every estimate is discounted a round, so a request that
+changes character is followed.
 
 Pure: no runner, no tensors, no clock; ``learn`` takes what a round measured.
 """
@@ -45,6 +48,8 @@ BURST = 1.5  # an exploration round counts for at most this many times the arm's
 OUTLIER_Z = 3.0  # ... and in the estimates for at most this many standard deviations over it
 PLAIN_CHECK = 2.0  # rounds: plain decoding's time resting on fewer is checked against a tree that looks cheaper
 NEW_REQUEST_CAP = 4.0  # gains of earlier requests weigh at most this many rounds when a request starts alone
+FIRST_ROUNDS = 100  # first contact's account holds for this many rounds (its credit has faded to an eighth) ...
+BANK_ROUNDS = 8.0  # ... then a bank's: explore_share of every round's time, holding at most this many choice rounds
 PAST_DISCOUNT = 0.9  # per request: a request starts from the mean of about the last ten requests' gains
 
 
@@ -111,6 +116,7 @@ class Bucket:
     untimed_ms: dict[Setting, float] = field(default_factory=dict)  # an arm's last eager (untimed) round
     decided: dict | None = None  # the estimates of the last decision, for the round that follows
     rounds: int = 0
+    bank: float | None = None  # ms exploration may still lose (after first contact; None: not yet)
     first_contact: bool | None = None  # nothing was known of the gains when this one first decided
 
 
@@ -275,14 +281,15 @@ class Rule:
         if pick.setting.mode != "ar":  # the largest hopeful tree of its family within WIDER of its time
             near = [e for e in hopeful if covers(e.setting, pick.setting) and cost(e) <= (1.0 + WIDER) * cost(pick)]
             pick = max(near, key=lambda e: e.setting.tree_size)
-        # First contact's credit fades as the losses it paid for do. An arm whose mean loses nothing may
-        # go past the account up to FREE_PASS times it.
-        credit = 0.0
-        if k.first_contact:
-            credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
-        allowed = self.explore_share * k.recent_ms + credit
-        # A round known to cost far more than a replay (untimed before) needs room in the account.
         expected = loss(pick)
+        if not k.first_contact or k.rounds >= FIRST_ROUNDS:  # the bank pays each round's expected loss
+            k.bank = min(k.bank or 0.0, BANK_ROUNDS * best.ms)
+            return (pick.setting, True) if k.bank >= max(expected, 0.0) else (best.setting, False)
+        # First contact: the losses valued now within the share of the recent time plus a credit that fades
+        # as the losses it paid for do (an arm whose mean loses nothing: up to FREE_PASS times that); a
+        # round known to cost far more than a replay (untimed before) needs room in the account.
+        credit = CREDIT_PLAIN_STEPS * (plain.ms if plain is not None else best.ms) * self.discount ** k.rounds
+        allowed = self.explore_share * k.recent_ms + credit
         room = max(expected, 0.0) if pick.setting in k.untimed_ms else 0.0
         lost = self.lost(b, est, best)
         if lost + room <= allowed or (pick.seen and expected <= 0.0 and lost <= FREE_PASS * allowed):
@@ -325,11 +332,16 @@ class Rule:
             took = min(wall_ms, BURST * usual) if usual > 0 and ms is not None else wall_ms
             if eager:
                 k.untimed_ms[ran] = wall_ms
+            if k.bank is not None:  # what it lost by the estimates it was decided on (a better arm pays in)
+                e, top = est[ran], self.best(b, est)
+                k.bank -= took - (1000.0 * (e.gain if e.seen else e.sure) / top.rate if top.rate > 0 else 0.0)
             v = k.explored.setdefault(ran, [0.0, 0.0])
             v[0] += took
             v[1] += 1.0
         k.total_ms += wall_ms
         k.recent_ms += wall_ms
+        if k.bank is not None:
+            k.bank += self.explore_share * wall_ms
         k.rounds += 1
         for st in k.resid.values():
             st.decay(self.discount)
