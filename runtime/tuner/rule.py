@@ -272,10 +272,8 @@ class Rule:
         def cost(e):  # what a round of it takes, in ms
             return k.untimed_ms.get(e.setting, e.ms)
 
-        def loss(e):  # what a round of it is expected to lose against the choice, in ms (an arm not seen:
-            # what it would surely lose: its guess is optimistic, the trees it covers gain at least)
-            gain = e.gain if e.seen else e.sure
-            return cost(e) - 1000.0 * gain / best.rate if best.rate > 0 else cost(e)
+        def loss(e):  # what a round of it is expected to lose against the choice, in ms
+            return cost(e) - _choice_ms(e, best)
 
         pick = min(hopeful, key=lambda e: (loss(e), -e.upper))
         if pick.setting.mode != "ar":  # the largest hopeful tree of its family within WIDER of its time
@@ -333,8 +331,7 @@ class Rule:
             if eager:
                 k.untimed_ms[ran] = wall_ms
             if k.bank is not None:  # what it lost by the estimates it was decided on (a better arm pays in)
-                e, top = est[ran], self.best(b, est)
-                k.bank -= took - (1000.0 * (e.gain if e.seen else e.sure) / top.rate if top.rate > 0 else 0.0)
+                k.bank -= took - _choice_ms(est[ran], self.best(b, est))
             v = k.explored.setdefault(ran, [0.0, 0.0])
             v[0] += took
             v[1] += 1.0
@@ -383,9 +380,7 @@ class Rule:
             best = best or self.best(b, est)
             lost = 0.0
             for s, (took, n) in k.explored.items():
-                e = est[s]
-                gain = e.gain if e.seen else e.sure
-                lost += took - n * 1000.0 * gain / best.rate if best.rate > 0 else took
+                lost += took - n * _choice_ms(est[s], best)
             k.lost_ms = max(lost, 0.0)
         return k.lost_ms
 
@@ -400,6 +395,12 @@ class Rule:
                     past.add(st.mean)
                     st.mean = past.mean
                 st.cap(NEW_REQUEST_CAP)
+
+
+def _choice_ms(e: Estimate, best: Estimate) -> float:
+    """The time the choice (best) takes for the tokens a round of e gains by its estimate (an arm not
+    seen: what it surely gains; its guess is optimistic, the trees it covers gain at least that)."""
+    return 1000.0 * (e.gain if e.seen else e.sure) / best.rate if best.rate > 0 else 0.0
 
 
 def _spread(gain: float) -> float:
