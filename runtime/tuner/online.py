@@ -258,17 +258,22 @@ class TreeTuner(Policy):
 
     def report(self) -> dict:
         """For --json: rounds and realised tokens per setting; per bucket the choice now, every arm's
-        estimate, the share of its time exploration took and the share of its recent time it lost."""
+        estimate, the share of its time exploration took, and what governs exploration now: at first
+        contact the share of its recent time it lost (the account), past it the bank (ms)."""
         rep = {"settings_used": {s.label(): n for s, n in self.used.items()},
                "realised_tokens_per_round": {s.label(): self.tokens[s] / n for s, n in self.used.items() if n},
-               "resumed": self.resumed, "choices": {}, "arms": {}, "explore_share": {}, "explore_lost_share": {}}
+               "resumed": self.resumed, "choices": {}, "arms": {}, "explore_share": {}, "explore_lost_share": {},
+               "explore_bank_ms": {}}
         for b, k in self.rule.buckets.items():
             est = self.rule.estimates(b)
             best = self.rule.best(b, est)
             rep["choices"][str(b)] = estimate_json(best)
             rep["arms"][str(b)] = {s.label(): estimate_json(e) for s, e in est.items()}
             rep["explore_share"][str(b)] = k.explore_ms / k.total_ms if k.total_ms else 0.0
-            rep["explore_lost_share"][str(b)] = self.rule.lost(b, est, best) / k.recent_ms if k.recent_ms else 0.0
+            if self.rule.banking(b):
+                rep["explore_bank_ms"][str(b)] = k.bank or 0.0
+            else:
+                rep["explore_lost_share"][str(b)] = self.rule.lost(b, est, best) / k.recent_ms if k.recent_ms else 0.0
         return rep
 
 

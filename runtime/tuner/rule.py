@@ -280,7 +280,7 @@ class Rule:
             near = [e for e in hopeful if covers(e.setting, pick.setting) and cost(e) <= (1.0 + WIDER) * cost(pick)]
             pick = max(near, key=lambda e: e.setting.tree_size)
         expected = loss(pick)
-        if not k.first_contact or k.rounds >= FIRST_ROUNDS:  # the bank pays each round's expected loss
+        if self.banking(b):  # the bank pays each round's expected loss
             k.bank = min(k.bank or 0.0, BANK_ROUNDS * best.ms)
             return (pick.setting, True) if k.bank >= max(expected, 0.0) else (best.setting, False)
         # First contact: the losses valued now within the share of the recent time plus a credit that fades
@@ -293,6 +293,11 @@ class Rule:
         if lost + room <= allowed or (pick.seen and expected <= 0.0 and lost <= FREE_PASS * allowed):
             return pick.setting, True
         return best.setting, False
+
+    def banking(self, b: int) -> bool:
+        """Whether bucket b's exploration is paid from its bank (past first contact), not the account."""
+        k = self._started(b)
+        return not k.first_contact or k.rounds >= FIRST_ROUNDS
 
     @staticmethod
     def _hopes(e: Estimate, best: Estimate) -> bool:

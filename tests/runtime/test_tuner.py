@@ -16,6 +16,7 @@ from treeflash_runtime.tuner import PLAIN, CostKey, Rule, Setting, TreeTuner, Tu
 from treeflash_runtime.tuner.cache import FORMAT
 from treeflash_runtime.tuner.online import best_first
 from treeflash_runtime.tuner.prior import STEADY_DRIFT, measure_prior
+from treeflash_runtime.tuner.rule import FIRST_ROUNDS
 from treeflash_runtime.tuner.setting import FAMILY
 
 B = 8
@@ -222,6 +223,10 @@ def test_report_says_what_ran_what_it_gained_and_what_each_arm_is_estimated_at()
     assert 0.0 <= rep["explore_share"]["1"] <= 1.0
     k = t.rule.buckets[1]
     assert rep["explore_lost_share"]["1"] == pytest.approx(t.rule.lost(1) / k.recent_ms) and k.recent_ms > 0
+    assert "1" not in rep["explore_bank_ms"]  # first contact: the account, not the bank
+    k.rounds, k.bank = FIRST_ROUNDS, 12.5
+    rep = t.report()
+    assert rep["explore_bank_ms"]["1"] == 12.5 and "1" not in rep["explore_lost_share"]
 
 
 def test_start_times_bucket_one_and_the_largest_and_the_buckets_between_take_both():
