@@ -295,9 +295,10 @@ class Rule:
         return best.setting, False
 
     def banking(self, b: int) -> bool:
-        """Whether bucket b's exploration is paid from its bank (past first contact), not the account."""
-        k = self._started(b)
-        return not k.first_contact or k.rounds >= FIRST_ROUNDS
+        """Whether bucket b's exploration is paid from its bank (past first contact), not the account (a
+        bucket that has not decided yet: neither; asking marks nothing)."""
+        k = self.bucket(b)
+        return k.first_contact is not None and (not k.first_contact or k.rounds >= FIRST_ROUNDS)
 
     @staticmethod
     def _hopes(e: Estimate, best: Estimate) -> bool:

@@ -225,8 +225,10 @@ def test_report_says_what_ran_what_it_gained_and_what_each_arm_is_estimated_at()
     assert rep["explore_lost_share"]["1"] == pytest.approx(t.rule.lost(1) / k.recent_ms) and k.recent_ms > 0
     assert "1" not in rep["explore_bank_ms"]  # first contact: the account, not the bank
     k.rounds, k.bank = FIRST_ROUNDS, 12.5
+    t.rule.bucket(4)  # known, not decided yet: the report neither says a budget nor marks its first contact
     rep = t.report()
     assert rep["explore_bank_ms"]["1"] == 12.5 and "1" not in rep["explore_lost_share"]
+    assert "4" not in rep["explore_bank_ms"] and t.rule.buckets[4].first_contact is None
 
 
 def test_start_times_bucket_one_and_the_largest_and_the_buckets_between_take_both():
