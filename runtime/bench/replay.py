@@ -13,6 +13,10 @@ that starts inside a recorded one is taken to gain what that one gained).
     python -m treeflash_runtime.bench.replay record --out artifacts/replay/gains.json
     python -m treeflash_runtime.bench.replay run artifacts/replay/gains.json [--again | --warm] [--seeds 20]
 
+``record --tree-size N`` keeps a smaller tree's own rounds (and the sizes under it in hindsight);
+``gains`` sets tapes side by side, each size's tokens per round per set: a size's own run against
+what a larger tree's rounds say of it in hindsight (what the tuner learns).
+
 Round times are per machine profile (``--times``, repeatable); the defaults are the demo pair's on the
 development machine's two cores and on one core with one thread (the tuner's own per-round trace).
 """
@@ -60,10 +64,11 @@ class Tape:
 
     def __init__(self, rounds: list[dict[str, float]]):
         self.rounds = rounds
+        self.top = max(int(n) for n in rounds[0]) if rounds else SIZES[-1]  # the size that ran
         self.starts, pos = [], 0.0
         for r in rounds:
             self.starts.append(pos)
-            pos += r[str(SIZES[-1])]
+            pos += r[str(self.top)]
         self.total = pos
 
     def gains(self, s: Setting, pos: float, j: int) -> tuple[dict[Setting, float], int]:
@@ -190,7 +195,10 @@ def main():
 @click.option("--out", default="artifacts/replay/gains.json", type=click.Path(dir_okay=False), show_default=True)
 @click.option("--heldout", default=10, show_default=True, help="Prompts per held-out set.")
 @click.option("--max-new-tokens", default=96, show_default=True)
-def record(out, heldout, max_new_tokens):
+@click.option("--tree-size", default=SIZES[-1], type=click.Choice([str(n) for n in SIZES]), show_default=True,
+              help="The tree every round runs (the tape holds its gain and each smaller size's; `run` needs the "
+                   "largest).")
+def record(out, heldout, max_new_tokens, tree_size):
     """Records, per round, every tree size's gain on the demo prompt and the held-out sets (the default
     pair, on CPU; a few minutes)."""
     from treeflash_export.config import SamplingConfig
@@ -202,7 +210,7 @@ def record(out, heldout, max_new_tokens):
     from .cli import _prompt_ids
     from .protocol import PROMPT
 
-    tree = TreeConfig(mode="treeflash", tree_size=SIZES[-1], top_m=M, top_k=K)
+    tree = TreeConfig(mode="treeflash", tree_size=int(tree_size), top_m=M, top_k=K)
     sess = load_session(model=None, drafter=None, artifacts=None, verify_checksums=False, mode=tree.mode,
                         tree_size=tree.tree_size, top_m=M, top_k=K, drafter_temperature=None, max_seq_len=None,
                         device="cpu", dtype="float32", cuda_graphs="auto", fast_kernels="auto")
@@ -241,6 +249,8 @@ def run(gains, profiles, seeds, again, warm, as_json):
     if again and warm:
         raise click.UsageError("--again and --warm are two different replays: give one")
     tapes = load_tapes(Path(gains))
+    if any(t.top != SIZES[-1] for group in tapes.values() for t in group):
+        raise click.UsageError(f"{gains}: recorded with a smaller tree; `run` replays a tape of N = {SIZES[-1]}")
     named = {p: parse_times(p) for p in profiles} or {k: parse_times(v) for k, v in PROFILES.items()}
     res = {name: replay_warm(tapes, times, seeds) if warm else replay(tapes, times, seeds, again)
            for name, times in named.items()}
@@ -256,6 +266,28 @@ def run(gains, profiles, seeds, again, warm, as_json):
             else:
                 click.echo(f"  {s:<14} {r['x_best']:.3f}x the best fixed, {r['x_plain']:.3f}x plain, "
                            f"worst run {r['worst_x_best']:.2f}x the best")
+
+
+def mean_gains(tapes: list[Tape]) -> dict[int, float]:
+    """Tokens per round of each size a set's tapes hold, over all their rounds."""
+    rounds = [r for t in tapes for r in t.rounds]
+    return {int(n): sum(r[n] for r in rounds) / len(rounds) for n in rounds[0]} if rounds else {}
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+def gains(files):
+    """Per set and tree size, the tokens per round each tape (from `record --tree-size`) says: the tape
+    of a size's own rounds against a larger tree's, where the tuner reads it in hindsight."""
+    tapes = [json.loads(Path(f).read_text()) for f in files]
+    cols = [(f, {name: mean_gains([Tape(r) for r in group]) for name, group in t.items()}) for f, t in zip(files, tapes)]
+    for name in tapes[0]:
+        click.echo(f"{name}: tokens per round by the tape of each size that ran")
+        tops = [max(c[name], default=0) for _, c in cols]
+        click.echo("  size  " + "".join(f"{'N=' + str(n):>9}" for n in tops))
+        for size in SIZES:
+            cells = [f"{c[name][size]:9.3f}" if size in c.get(name, {}) else " " * 9 for _, c in cols]
+            click.echo(f"  {size:>4}  " + "".join(cells))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ import pytest
 
 from treeflash_export.config import TreeConfig
 from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, noise_spread, summary
-from treeflash_runtime.bench.replay import (PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, parse_times, replay,
-                                           replay_warm)
+from treeflash_runtime.bench.replay import (PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, main, mean_gains,
+                                           parse_times, replay, replay_warm)
 from treeflash_runtime.plan import NodeReport, RoundReport
 
 
@@ -89,6 +89,30 @@ def test_the_recorder_keeps_each_rounds_gain_at_every_size_of_the_family_and_sta
     assert rec.rounds == [{"4": 3.0, "8": 3.0, "16": 4.0, "32": 4.0, "64": 4.0}]
     rec.new_generation()
     assert rec.rounds == []
+
+
+def test_a_smaller_trees_tape_advances_by_its_own_gain_and_sets_beside_a_larger_ones_in_gains(tmp_path):
+    """`record --tree-size 16` keeps the 16-node tree's own rounds: its tape moves by what that tree
+    gained; `gains` prints each size's tokens per round by each tape; `run` refuses such a tape (it
+    replays every size, so it needs the largest tree's rounds)."""
+    import json
+
+    from click.testing import CliRunner
+
+    own = [{"4": 2.0, "8": 3.0, "16": 4.0}, {"4": 1.0, "8": 1.0, "16": 2.0}]
+    big = [{"4": 3.0, "8": 3.0, "16": 3.0, "32": 5.0, "64": 5.0}]
+    assert Tape(own).top == 16 and Tape(own).total == 6.0 and Tape(big).total == 5.0
+    assert mean_gains([Tape(own), Tape(own)]) == {4: 1.5, 8: 2.0, 16: 3.0}
+    (tmp_path / "16.json").write_text(json.dumps({"demo": [own]}))
+    (tmp_path / "64.json").write_text(json.dumps({"demo": [big, big]}))
+    out = CliRunner().invoke(main, ["gains", str(tmp_path / "16.json"), str(tmp_path / "64.json")])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[1].split() == ["size", "N=16", "N=64"]
+    assert lines[2].split() == ["4", "1.500", "3.000"] and lines[4].split() == ["16", "3.000", "3.000"]
+    assert lines[5].split() == ["32", "5.000"]
+    refused = CliRunner().invoke(main, ["run", str(tmp_path / "16.json"), "--seeds", "1"])
+    assert refused.exit_code != 0 and "smaller tree" in refused.output
 
 
 # The demo rows a summary needs, when a test is about the others.
