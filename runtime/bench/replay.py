@@ -283,7 +283,7 @@ def gains(files):
     cols = [(f, {name: mean_gains([Tape(r) for r in group]) for name, group in t.items()}) for f, t in zip(files, tapes)]
     for name in tapes[0]:
         click.echo(f"{name}: tokens per round by the tape of each size that ran")
-        tops = [max(c[name], default=0) for _, c in cols]
+        tops = [max(c.get(name, {}), default=0) for _, c in cols]
         click.echo("  size  " + "".join(f"{'N=' + str(n):>9}" for n in tops))
         for size in SIZES:
             cells = [f"{c[name][size]:9.3f}" if size in c.get(name, {}) else " " * 9 for _, c in cols]
