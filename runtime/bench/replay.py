@@ -279,14 +279,13 @@ def mean_gains(tapes: list[Tape]) -> dict[int, float]:
 def gains(files):
     """Per set and tree size, the tokens per round each tape (from `record --tree-size`) says: the tape
     of a size's own rounds against a larger tree's, where the tuner reads it in hindsight."""
-    tapes = [json.loads(Path(f).read_text()) for f in files]
-    cols = [(f, {name: mean_gains([Tape(r) for r in group]) for name, group in t.items()}) for f, t in zip(files, tapes)]
-    for name in tapes[0]:
+    cols = [{name: mean_gains([Tape(r) for r in group]) for name, group in json.loads(Path(f).read_text()).items()}
+            for f in files]  # per file: set -> size -> tokens per round
+    for name in cols[0]:
         click.echo(f"{name}: tokens per round by the tape of each size that ran")
-        tops = [max(c.get(name, {}), default=0) for _, c in cols]
-        click.echo("  size  " + "".join(f"{'N=' + str(n):>9}" for n in tops))
+        click.echo("  size  " + "".join(f"{'N=' + str(max(c.get(name, {}), default=0)):>9}" for c in cols))
         for size in SIZES:
-            cells = [f"{c[name][size]:9.3f}" if size in c.get(name, {}) else " " * 9 for _, c in cols]
+            cells = [f"{c[name][size]:9.3f}" if size in c.get(name, {}) else " " * 9 for c in cols]
             click.echo(f"  {size:>4}  " + "".join(cells))
 
 
