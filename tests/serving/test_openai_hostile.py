@@ -54,10 +54,11 @@ def server(pair_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fixed(pair_dirs, tmp_path_factory):
-    """A fixed TreeFlash tree of 16 nodes, one slot, a queue of 2, a 1024-token cache (long streams), a request
-    timeout and a one-second shutdown timeout."""
+    """A fixed TreeFlash tree of 16 nodes, one slot, a queue of 2, a cache as long as the tiny model's positions
+    (streams that outlast both timeouts on a machine several times faster than CI's), a request timeout and a
+    one-second shutdown timeout."""
     s = _start(Server(pair_dirs["qwen3"], tmp_path_factory.mktemp("hostile-fixed"), "--mode", "treeflash",
-                      "--max-batch", "1", "--max-queue", "2", "--max-seq-len", "1024", "--request-timeout",
+                      "--max-batch", "1", "--max-queue", "2", "--max-seq-len", "4096", "--request-timeout",
                       str(FIXED_TIMEOUT), "--shutdown-timeout", "1"))
     yield s
     _stop(s)
@@ -626,7 +627,9 @@ def _sse(response) -> list:
 
 
 def _long(stream: bool) -> dict:
-    return {"prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": stream}
+    # 4000 tokens take about 22 s on a 2-core machine like CI's: far past either timeout (900 tokens took about
+    # 4 s there, and once ended before the 4 s request timeout on CI).
+    return {"prompt": PROMPTS[1], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": stream}
 
 
 def test_a_request_past_the_request_timeout_ends_with_an_error(fixed):
@@ -661,12 +664,12 @@ def test_shutdown_past_the_shutdown_timeout_ends_every_request_with_an_error(fix
     results: dict = {}
 
     def stream(name):
-        with httpx.stream("POST", fixed.url + C, headers=HEADERS, json={**_long(True), "max_tokens": 600},
+        with httpx.stream("POST", fixed.url + C, headers=HEADERS, json=_long(True),
                           timeout=60) as r:
             results[name] = (r.status_code, _sse(r))
 
     def plain():
-        results["plain"] = _post(fixed.url, C, {**_long(False), "max_tokens": 600})
+        results["plain"] = _post(fixed.url, C, _long(False))
 
     threads = [threading.Thread(target=stream, args=("running",))]
     threads[0].start()
