@@ -9,9 +9,11 @@ records for it, in one command, each figure beside plain decoding's from the sam
    K = 8) and plain decoding, prompt by prompt, ``--heldout-runs`` times over (a prompt's ratio takes
    its runs together; plain decoding's second run against its first says how far noise alone moves a
    prompt's ratio).
-3. In process, request slots at concurrency 1 and 8: the default, three hand tables and plain decoding
-   (``--slot-runs`` runs of each, taking turns, each row the median run: a run of 16 short requests
-   at concurrency 8 takes seconds, and this machine's speed moves by tens of percent between runs).
+3. In process, request slots at concurrency 1 and 8 (``treeflash-bench --concurrency 1,8``: 16 requests
+   of ``--slot-tokens``, the default with its whole candidate set): the default, three hand tables and
+   plain decoding (``--slot-runs`` runs of each, taking turns, each row the median run: a run of 16
+   requests at concurrency 8 takes seconds, and this machine's speed moves by tens of percent between
+   runs).
 
 ``--one-core`` runs every command on CPU 0 with one thread (``taskset -c 0``, OMP_NUM_THREADS=1),
 which moves the ratios between a round's parts as another CPU would. Results go to OUT as JSON, and
@@ -65,7 +67,9 @@ def _run(cmd: list[str], env: dict, one_core: bool, log) -> dict:
                    "against its run 1, prompt by prompt, shows how far a prompt's ratio moves by noise alone).")
 @click.option("--slot-runs", default=3, show_default=True,
               help="Runs of each request-slot row (the rows taking turns); the summary takes the median run.")
-def main(out, one_core, max_new_tokens, heldout, slots, passes, heldout_runs, slot_runs):
+@click.option("--slot-tokens", default=64, show_default=True,
+              help="Tokens per request in the request-slot rows (treeflash-bench's default).")
+def main(out, one_core, max_new_tokens, heldout, slots, passes, heldout_runs, slot_runs, slot_tokens):
     """Runs the protocol; prints a summary."""
     log = lambda m: click.echo(m, err=True)  # noqa: E731
     out = Path(out) / ("one-core" if one_core else "as-is")
@@ -105,10 +109,11 @@ def main(out, one_core, max_new_tokens, heldout, slots, passes, heldout_runs, sl
                                                "--top-k", "8"], env, one_core, log)
     if slots:
         log("request slots")
-        res["slots"] = _run(bench[:1] + ["--concurrency", "1,8", "--requests", "16", "--max-new-tokens", "32",
-                                          "--repeat", str(slot_runs),
-                                          "--modes", "auto,treeflash", "--tree-sizes", "8", "--top-m", "4",
-                                          "--top-k", "8", "--tree-size-by-batch", TABLES, "--json"], env, one_core, log)
+        # No --tree-sizes: it would size the deployment, and so the default's largest tree, to the tables'.
+        res["slots"] = _run(bench[:1] + ["--concurrency", "1,8", "--requests", "16", "--max-new-tokens",
+                                          str(slot_tokens), "--repeat", str(slot_runs), "--modes", "auto,treeflash",
+                                          "--top-m", "4", "--top-k", "8", "--tree-size-by-batch", TABLES, "--json"],
+                            env, one_core, log)
     (out / "protocol.json").write_text(json.dumps(res, indent=1))
     click.echo(summary(res))
 
@@ -180,7 +185,11 @@ def summary(res: dict) -> str:
             lines.append(f"  plain decoding's run 2 against its run 1, prompt by prompt: {spread[0]:.2f}x to "
                          f"{spread[1]:.2f}x (a prompt's ratio moves this much by noise alone)")
     if "slots" in res:
-        for r in res["slots"]["rows"]:
+        sl = res["slots"]
+        if "requests" in sl:
+            lines.append(f"request slots: {sl['requests']} requests of {sl['max_new_tokens']} tokens, the median of "
+                         f"{sl.get('repeat', 1)} runs; outputs identical {sl.get('identical_outputs')}")
+        for r in sl["rows"]:
             runs = r.get("ratio_to_ar_runs") if r.get("variant") != "ar" else None
             lines.append(f"slots {r.get('variant', ''):<24} c={r['concurrency']}: {r['tokens_per_s']:.1f} tok/s, "
                          f"{r.get('ratio_to_ar') or 1.0:.2f}x plain"

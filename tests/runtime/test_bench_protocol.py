@@ -137,6 +137,8 @@ def test_the_slot_rows_give_each_row_against_plain_decoding_with_its_runs_spread
         {"variant": "auto", "concurrency": 8, "tokens_per_s": 98.0, "ratio_to_ar": 0.98,
          "ratio_to_ar_runs": [0.97, 1.02, 0.98]},
         {"variant": "ar", "concurrency": 8, "tokens_per_s": 100.0, "ratio_to_ar": 1.0,
-         "ratio_to_ar_runs": [1.0, 1.0, 1.0]}]}})
+         "ratio_to_ar_runs": [1.0, 1.0, 1.0]}], "requests": 16, "max_new_tokens": 64, "repeat": 3,
+        "identical_outputs": True}})
+    assert "request slots: 16 requests of 64 tokens, the median of 3 runs; outputs identical True" in text
     assert "c=8: 98.0 tok/s, 0.98x plain (run by run 0.97x to 1.02x)" in text
     assert "c=8: 100.0 tok/s, 1.00x plain\n" in text + "\n"
