@@ -50,7 +50,7 @@ test: setup
 
 # The self-tuning tree's protocol on the default pair (docs/results): the demo prompt at first contact
 # and again against plain decoding and eight fixed trees, the held-out sets, request slots; each on the
-# machine as it is and on one core with one thread. About an hour and a quarter on a 2-core CPU (the
+# machine as it is and on one core with one thread. About an hour and a half on a 2-core CPU (the
 # held-out sets run twice: --heldout-runs).
 bench-default: setup
 	$(BIN)/python -m treeflash_runtime.bench.protocol
