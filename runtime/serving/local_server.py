@@ -7,7 +7,7 @@ libpython on LD_LIBRARY_PATH (without the latter the stub loads the system libpy
 crashes) and this environment's bin/ first on PATH (so the stub imports what is installed
 here), every address bound to 127.0.0.1 on free ports; ready when /v2/health/ready answers 200.
 
-    python -m treeflash_runtime.serving.local_server REPO     # serves REPO until Ctrl-C or SIGTERM
+    python -P -m treeflash_runtime.serving.local_server REPO     # serves REPO until Ctrl-C or SIGTERM
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def start_local_server(repo: str | Path, workdir: str | Path | None = None, *, t
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        sys.exit("usage: python -m treeflash_runtime.serving.local_server REPO")
+        sys.exit("usage: python -P -m treeflash_runtime.serving.local_server REPO")
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt

@@ -35,7 +35,8 @@ class Server:
         # thread makes every matrix product wait for a core (milliseconds each instead of microseconds).
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # cwd: `-m` puts the working folder on sys.path, and the checkout's kernels/ hides a package
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
 
     def wait_ready(self, timeout=180.0):
         import httpx

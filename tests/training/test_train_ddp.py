@@ -48,7 +48,8 @@ def torchrun(nproc: int, verifier: str, out, work, cfg: TrainConfig, *extra: str
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "-m", "treeflash_export.cli", "train", "--model", verifier,
            "--out", str(out), "--work", str(work), *cli_options(cfg), *extra]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    # cwd: `-m` puts the working folder on sys.path, and the checkout's kernels/ hides a package
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=work.parent)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
