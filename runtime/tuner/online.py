@@ -204,10 +204,10 @@ class TreeTuner(Policy):
         self.save(force=True)
 
     def new_generation(self) -> None:
-        """One sequence starts (loop.generate): the report counts it alone."""
+        """One sequence starts (loop.generate): the report counts it alone. (Its request starts in the
+        rule when the engine admits it alone, as every request does: ``admitted``.)"""
         self.used.clear()
         self.tokens.clear()
-        self.rule.new_request()
 
     def admitted(self, key, alone: bool) -> None:
         if alone:

@@ -96,6 +96,21 @@ def test_tuned_rounds_are_exact(load, pair_dirs, tmp_path, fixed):
             assert f"N={fixed['tree_size']} " in label, label
 
 
+def test_a_generation_starts_one_request_in_the_rule(load, pair_dirs, tmp_path, monkeypatch):
+    """generate() is an engine with one request: the rule hears of its start once (as it does of a
+    request served alone), so earlier requests' gains weigh the same in both paths."""
+    pair = load("qwen3")
+    ids = pair.tokenizer(PROMPTS[1])["input_ids"]
+    runner = TorchRunner(pair.verifier, pair.drafter, capacity=256)
+    tuner = tuner_for(runner, _sources(pair_dirs), tmp_path, costs(ar=10.0, tree=11.0))
+    starts = []
+    start = tuner.rule.new_request
+    monkeypatch.setattr(tuner.rule, "new_request", lambda: (starts.append(1), start())[1])
+    for n in (1, 2):
+        generate(runner, ids, TreeConfig(), SamplingConfig(max_new_tokens=8), tuner=tuner)
+        assert len(starts) == n
+
+
 def test_falls_back_to_plain_decoding_when_drafting_cannot_pay(load, pair_dirs, tmp_path):
     """Plain steps of 1 ms and rounds of 100 ms: after at most a round or two of exploration every round
     is plain decoding (the drafter keeps its context current all the same); the output is the verifier's."""
