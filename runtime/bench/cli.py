@@ -488,6 +488,9 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
     report = {"rows": rows, "identical_outputs": identical, "prompts": len(ids), "repeat": repeat,
               "max_new_tokens": max_new_tokens, "stops_at_eos": not ignore_eos, "machine": platform.machine(),
               "threads": torch.get_num_threads(), "artifacts": artifacts, "dtype": str(dtype)}
+    if repeat > 1 and len(ids) > 1:
+        report["plain_vs_itself_worst_prompt"] = {
+            r["backend"]: plain_against_itself(r["per_prompt_tokens_per_s_by_run"]) for r in rows if r["mode"] == "ar"}
     if sweep is not None:
         fixed = [r for r in rows if r["mode"] != "auto"]
         best = max(fixed, key=lambda r: r["tokens_per_s"])
@@ -498,6 +501,19 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
                            "auto_rank": 1 + sum(r["tokens_per_s"] > auto["tokens_per_s"] for r in fixed),
                            "points": len(fixed)}
     return report
+
+
+def plain_against_itself(runs: list[list[float]]) -> float:
+    """The slowest prompt of plain decoding's odd runs against its even runs, either way round (runs: per
+    run, each prompt's tokens/s): how far the machine alone moves a prompt's ratio between runs. A
+    row's worst prompt near it says as much about the machine as about the row."""
+    halves = [runs[0::2], runs[1::2]]
+    worst = 1.0
+    for j in range(len(runs[0])):
+        secs = [sum(1.0 / run[j] for run in half if run[j] > 0) / len(half) for half in halves]
+        if all(secs):
+            worst = min(worst, secs[0] / secs[1], secs[1] / secs[0])
+    return worst
 
 
 def plot_sweep(report: dict, path: str) -> None:
@@ -556,6 +572,9 @@ def format_report(report: dict) -> str:
                      f"({sw['best']}, {sw['best_tokens_per_s']:.1f} tok/s); rank {sw['auto_rank']} of "
                      f"{sw['points'] + 1}")
     lines.append("vs ar: summed tokens/s against plain decoding's; worst: the slowest prompt's ratio")
+    for backend, worst in report.get("plain_vs_itself_worst_prompt", {}).items():
+        lines.append(f"plain decoding against itself ({backend}, odd runs against even ones): the slowest prompt "
+                     f"{worst:.2f}x; a worst near it is the machine's noise")
     lines.append(f"greedy outputs identical across all rows: {report['identical_outputs']} "
                  f"({report['prompts']} prompts x {report['repeat']}, up to {report['max_new_tokens']} new tokens"
                  f"{', ending at end of turn' if report.get('stops_at_eos') else ''})")

@@ -141,16 +141,6 @@ def held_out_ratios(passes: list[dict], row: str, fixed: list[str]) -> list[floa
     return out
 
 
-def noise_spread(row: dict) -> tuple[float, float] | None:
-    """The lowest and highest ratio of a row's second run to its first, prompt by prompt (None with
-    one run): for plain decoding, what noise alone does to a prompt's ratio."""
-    runs = row.get("per_prompt_tokens_per_s_by_run") or []
-    if len(runs) < 2:
-        return None
-    ratios = [b / a for a, b in zip(runs[0], runs[1]) if a > 0]
-    return (min(ratios), max(ratios)) if ratios else None
-
-
 def summary(res: dict) -> str:
     lines = [f"profile: {'one core, one thread' if res['one_core'] else 'as is'}; {res['max_new_tokens']} new tokens"]
     demo = res["demo"]
@@ -180,10 +170,9 @@ def summary(res: dict) -> str:
                           for s, r in rows.items() if s.startswith("treeflash"))
         lines.append(f"held-out {domain}: auto {a['speedup_vs_ar']:.2f}x plain (worst prompt {a['worst_prompt_vs_ar']:.2f}x), "
                      f"{fixed}; outputs identical {rep['identical_outputs']}")
-        spread = noise_spread(rows["ar"])
-        if spread:
-            lines.append(f"  plain decoding's run 2 against its run 1, prompt by prompt: {spread[0]:.2f}x to "
-                         f"{spread[1]:.2f}x (a prompt's ratio moves this much by noise alone)")
+        for worst in rep.get("plain_vs_itself_worst_prompt", {}).values():
+            lines.append(f"  plain decoding against itself (odd runs against even ones): the slowest prompt "
+                         f"{worst:.2f}x (a prompt's ratio moves this much by noise alone)")
     if "slots" in res:
         sl = res["slots"]
         if "requests" in sl:

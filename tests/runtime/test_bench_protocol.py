@@ -8,7 +8,7 @@ import click
 import pytest
 
 from treeflash_export.config import TreeConfig
-from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, noise_spread, summary
+from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, summary
 from treeflash_runtime.bench.replay import (PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, main, mean_gains,
                                            parse_times, replay, replay_warm)
 from treeflash_runtime.plan import NodeReport, RoundReport
@@ -120,16 +120,16 @@ DEMO_ROWS = {k: {"tokens_per_s": 20.0, "tuning": {"settings_used": {"ar": 1}}}
              for k in ("ar", "auto first contact", "auto again")}
 
 
-def test_plain_decodings_second_held_out_run_against_its_first_gives_the_noise_of_a_prompts_ratio():
-    plain = {"setting": "ar", "speedup_vs_ar": 1.0, "worst_prompt_vs_ar": 1.0,
-             "per_prompt_tokens_per_s_by_run": [[20.0, 10.0, 16.0], [18.0, 12.0, 16.0]]}
-    assert noise_spread(plain) == (0.9, 1.2)
-    assert noise_spread({"per_prompt_tokens_per_s_by_run": [[20.0, 10.0]]}) is None and noise_spread({}) is None
+def test_the_held_out_rows_say_what_plain_decoding_does_against_itself():
+    plain = {"setting": "ar", "speedup_vs_ar": 1.0, "worst_prompt_vs_ar": 1.0}
     auto = {"setting": "auto", "speedup_vs_ar": 1.1, "worst_prompt_vs_ar": 0.85}
+    rows = {"rows": [auto, plain], "identical_outputs": True}
     text = summary({"one_core": False, "max_new_tokens": 96, "demo": DEMO_ROWS,
-                    "heldout": {"code": {"rows": [auto, plain], "identical_outputs": True}}})
+                    "heldout": {"code": {**rows, "plain_vs_itself_worst_prompt": {"torch": 0.875}}}})
     assert "held-out code: auto 1.10x plain (worst prompt 0.85x)" in text
-    assert "run 2 against its run 1, prompt by prompt: 0.90x to 1.20x" in text
+    assert "plain decoding against itself (odd runs against even ones): the slowest prompt 0.88x" in text
+    text = summary({"one_core": False, "max_new_tokens": 96, "demo": DEMO_ROWS, "heldout": {"code": rows}})
+    assert "against itself" not in text  # one run: nothing to say
 
 
 def test_the_slot_rows_give_each_row_against_plain_decoding_with_its_runs_spread():

@@ -13,6 +13,7 @@ from conftest import PROMPTS, hf_greedy
 from oracle import OracleRunner
 from treeflash_runtime import generate
 from treeflash_runtime.backends.pytorch import TorchRunner
+from treeflash_runtime.bench.cli import plain_against_itself
 from treeflash_runtime.plan import RoundPlan
 from treeflash_runtime.tuner import PLAIN, TreeTuner, TunerStore
 from treeflash_runtime.tuner.online import runner_modes, tuner_key
@@ -290,6 +291,19 @@ def test_bench_runs_every_row_in_turn_prompt_by_prompt(pair_dirs, tmp_path, monk
     assert lengths[:3] == [lengths[0]] * 3 and lengths[3:6] == [lengths[3]] * 3 and lengths[0] != lengths[3]
     assert lengths[6:] == lengths[:6]  # the second run of both prompts
     assert rep["identical_outputs"] and all(len(row["per_prompt_tokens_per_s"]) == 2 for row in rep["rows"])
+    plain = next(row for row in rep["rows"] if row["setting"] == "ar")
+    assert rep["plain_vs_itself_worst_prompt"] == {"torch": plain_against_itself(
+        plain["per_prompt_tokens_per_s_by_run"])}
+    assert 0.0 < rep["plain_vs_itself_worst_prompt"]["torch"] <= 1.0
+
+
+@pytest.mark.parametrize("runs,worst", [([[10.0, 20.0], [10.0, 10.0]], 0.5),  # prompt 2: twice as fast in run 1
+                                        ([[10.0], [20.0], [10.0]], 0.5),  # runs 1 and 3 against run 2
+                                        ([[12.0, 8.0], [12.0, 8.0]], 1.0)])
+def test_plain_decoding_against_itself_is_its_slowest_prompt_between_odd_and_even_runs(runs, worst):
+    """The benchmark's noise line: per prompt, plain decoding's odd runs against its even runs (time per
+    token), the slowest either way round."""
+    assert plain_against_itself(runs) == pytest.approx(worst)
 
 
 def test_with_graphs_the_prior_times_a_replay_of_each_round(load):
