@@ -47,6 +47,13 @@ def _session(artifacts, model, drafter, backend, mode, tree_kw, max_seq_len, dev
                                     draft_vocab=draft_vocab)
 
 
+def reply_sampling(sess, max_new_tokens: int, ignore_eos: bool = False) -> SamplingConfig:
+    """Greedy replies that end where a user's would: at the pair's stop tokens (unless ignore_eos)
+    or after max_new_tokens (the benchmark's rows and the replay's tapes alike)."""
+    stops = () if ignore_eos else tuple(sorted(sess.stop_token_ids))
+    return SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=stops)
+
+
 def _tree_for(sess, artifacts, mode, size, tree_kw) -> TreeConfig:
     if mode == "ar":
         return TreeConfig(mode="ar")
@@ -417,8 +424,7 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
             tuner = build_tuner(sess, log=log)
         if ids is None:
             ids = _prompt_ids(prompts, sess.tokenizer, model)
-        stops = () if ignore_eos else tuple(sorted(sess.stop_token_ids))
-        sampling = SamplingConfig(max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        sampling = reply_sampling(sess, max_new_tokens, ignore_eos)
         trees: list[TreeConfig | None] = [None] if "auto" in mode_list else []  # None: auto
         if sweep is not None:
             trees += sweep_settings(*sweep, runner.block_size, runner.has_head)

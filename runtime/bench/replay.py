@@ -2,8 +2,9 @@
 side by side without the machine's noise.
 
 ``record`` runs the default pair on the demo prompt and the held-out sets with the largest tree of
-the tuner's family every round, and keeps, per round, what every tree size of that family would have
-gained (hindsight: best-first trees are prefix-closed, setting.hindsight). ``run`` replays the rule
+the tuner's family every round, each reply ending where the benchmark's does (at a stop token), and
+keeps, per round, what every tree size of that family would have gained (hindsight: best-first trees
+are prefix-closed, setting.hindsight). ``run`` replays the rule
 (tuner/rule.py as it stands) over those rounds at given round times, with 10% jitter and a burst of
 twice the time in 5% of rounds, the prior off by a common -30%..+30% and by up to 8% per arm; and the
 fixed arms (plain decoding, N = 8 and 16) over the same rounds. A setting's round at token position p
@@ -201,13 +202,11 @@ def main():
 def record(out, heldout, max_new_tokens, tree_size):
     """Records, per round, every tree size's gain on the demo prompt and the held-out sets (the default
     pair, on CPU; a few minutes)."""
-    from treeflash_export.config import SamplingConfig
-
     from ..cli import _encode
     from ..engine import fixed_plans
     from ..loop import generate
     from ..options import load_session
-    from .cli import _prompt_ids
+    from .cli import _prompt_ids, reply_sampling
     from .protocol import PROMPT
 
     tree = TreeConfig(mode="treeflash", tree_size=int(tree_size), top_m=M, top_k=K)
@@ -219,12 +218,12 @@ def record(out, heldout, max_new_tokens, tree_size):
     sets = {"demo": [_encode(sess.tokenizer, PROMPT, True)]}
     for domain in ("chat-self", "code", "chat-stdlib"):
         sets[domain] = _prompt_ids(("heldout", heldout, 48, domain), sess.tokenizer)
+    sampling = reply_sampling(sess, max_new_tokens)  # each reply ends where the benchmark's does
     data = {}
     for name, prompts in sets.items():
         data[name] = []
         for ids in prompts:
-            generate(sess.runner, ids, ran, SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0),
-                     tuner=recorder)
+            generate(sess.runner, ids, ran, sampling, tuner=recorder)
             data[name].append(recorder.rounds)
         click.echo(f"{name}: {len(prompts)} prompts, {sum(len(r) for r in data[name])} rounds", err=True)
     Path(out).parent.mkdir(parents=True, exist_ok=True)

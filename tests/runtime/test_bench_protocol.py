@@ -91,6 +91,41 @@ def test_the_recorder_keeps_each_rounds_gain_at_every_size_of_the_family_and_sta
     assert rec.rounds == []
 
 
+def test_record_ends_each_reply_where_the_benchmark_does_at_the_pairs_stop_tokens(tmp_path, monkeypatch):
+    """The tapes hold the replies the benchmark's held-out rows time: a reply that ends at its
+    end-of-turn token ends there on the tape too (not max_new_tokens later)."""
+    import json
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    import treeflash_runtime.bench.cli as bench_cli
+    import treeflash_runtime.cli as run_cli
+    import treeflash_runtime.engine as engine
+    import treeflash_runtime.loop as loop
+    import treeflash_runtime.options as options
+
+    sess = SimpleNamespace(runner=object(), tokenizer=None, stop_token_ids={7, 3})
+    seen = []
+
+    def generate(runner, ids, tree, sampling, tuner=None):
+        seen.append(sampling)
+        tuner.new_generation()
+
+    monkeypatch.setattr(options, "load_session", lambda **kw: sess)
+    monkeypatch.setattr(engine, "fixed_plans", lambda runner, tree: SimpleNamespace(trees={1: tree.resolved(16)}))
+    monkeypatch.setattr(loop, "generate", generate)
+    monkeypatch.setattr(run_cli, "_encode", lambda tok, text, chat: [1, 2])
+    monkeypatch.setattr(bench_cli, "_prompt_ids", lambda source, tok: [[1, 2]] * source[1])
+    out = CliRunner().invoke(main, ["record", "--out", str(tmp_path / "g.json"), "--heldout", "2",
+                                    "--max-new-tokens", "40"])
+    assert out.exit_code == 0, out.output
+    assert len(seen) == 7  # the demo prompt and two of each set
+    assert all(s.stop_token_ids == (3, 7) and s.max_new_tokens == 40 and s.temperature == 0.0 for s in seen)
+    assert sorted(json.loads((tmp_path / "g.json").read_text())) == ["chat-self", "chat-stdlib", "code", "demo"]
+    assert bench_cli.reply_sampling(sess, 40, ignore_eos=True).stop_token_ids == ()
+
+
 def test_a_smaller_trees_tape_advances_by_its_own_gain_and_sets_beside_a_larger_ones_in_gains(tmp_path):
     """`record --tree-size 16` keeps the 16-node tree's own rounds: its tape moves by what that tree
     gained; `gains` prints each size's tokens per round by each tape; `run` refuses such a tape (it
