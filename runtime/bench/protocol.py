@@ -170,6 +170,9 @@ def summary(res: dict) -> str:
                           for s, r in rows.items() if s.startswith("treeflash"))
         lines.append(f"held-out {domain}: auto {a['speedup_vs_ar']:.2f}x plain (worst prompt {a['worst_prompt_vs_ar']:.2f}x), "
                      f"{fixed}; outputs identical {rep['identical_outputs']}")
+        if "worst_prompt_vs_ar_held_out" in a:
+            lines.append(f"  auto's slowest prompt read held out (chosen on odd runs, read on even ones, and the "
+                         f"reverse): {a['worst_prompt_vs_ar_held_out']:.2f}x")
         for worst in rep.get("plain_vs_itself_worst_prompt", {}).values():
             lines.append(f"  plain decoding against itself (odd runs against even ones): the slowest prompt "
                          f"{worst:.2f}x (a prompt's ratio moves this much by noise alone)")

@@ -157,12 +157,13 @@ DEMO_ROWS = {k: {"tokens_per_s": 20.0, "tuning": {"settings_used": {"ar": 1}}}
 
 def test_the_held_out_rows_say_what_plain_decoding_does_against_itself():
     plain = {"setting": "ar", "speedup_vs_ar": 1.0, "worst_prompt_vs_ar": 1.0}
-    auto = {"setting": "auto", "speedup_vs_ar": 1.1, "worst_prompt_vs_ar": 0.85}
+    auto = {"setting": "auto", "speedup_vs_ar": 1.1, "worst_prompt_vs_ar": 0.85, "worst_prompt_vs_ar_held_out": 0.93}
     rows = {"rows": [auto, plain], "identical_outputs": True}
     text = summary({"one_core": False, "max_new_tokens": 96, "demo": DEMO_ROWS,
                     "heldout": {"code": {**rows, "plain_vs_itself_worst_prompt": {"torch": 0.875}}}})
     assert "held-out code: auto 1.10x plain (worst prompt 0.85x)" in text
     assert "plain decoding against itself (odd runs against even ones): the slowest prompt 0.88x" in text
+    assert "auto's slowest prompt read held out (chosen on odd runs, read on even ones, and the reverse): 0.93x" in text
     text = summary({"one_core": False, "max_new_tokens": 96, "demo": DEMO_ROWS, "heldout": {"code": rows}})
     assert "against itself" not in text  # one run: nothing to say
 

@@ -13,7 +13,7 @@ from conftest import PROMPTS, hf_greedy
 from oracle import OracleRunner
 from treeflash_runtime import generate
 from treeflash_runtime.backends.pytorch import TorchRunner
-from treeflash_runtime.bench.cli import plain_against_itself
+from treeflash_runtime.bench.cli import plain_against_itself, slowest_prompt_held_out
 from treeflash_runtime.plan import RoundPlan
 from treeflash_runtime.tuner import PLAIN, TreeTuner, TunerStore
 from treeflash_runtime.tuner.online import runner_modes, tuner_key
@@ -295,6 +295,10 @@ def test_bench_runs_every_row_in_turn_prompt_by_prompt(pair_dirs, tmp_path, monk
     assert rep["plain_vs_itself_worst_prompt"] == {"torch": plain_against_itself(
         plain["per_prompt_tokens_per_s_by_run"])}
     assert 0.0 < rep["plain_vs_itself_worst_prompt"]["torch"] <= 1.0
+    for row in rep["rows"]:
+        assert row["worst_prompt_vs_ar_held_out"] == pytest.approx(slowest_prompt_held_out(
+            row["per_prompt_tokens_per_s_by_run"], plain["per_prompt_tokens_per_s_by_run"]))
+    assert plain["worst_prompt_vs_ar_held_out"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("runs,worst", [([[10.0, 20.0], [10.0, 10.0]], 0.5),  # prompt 2: twice as fast in run 1
@@ -304,6 +308,21 @@ def test_plain_decoding_against_itself_is_its_slowest_prompt_between_odd_and_eve
     """The benchmark's noise line: per prompt, plain decoding's odd runs against its even runs (time per
     token), the slowest either way round."""
     assert plain_against_itself(runs) == pytest.approx(worst)
+
+
+@pytest.mark.parametrize("runs,worst", [
+    # prompt 1 is slow against plain decoding in runs 1 and 3 only (noise), prompt 2 in every run: read
+    # held out, prompt 1 runs at 1.0x and prompt 2 at 0.8x
+    ([[5.0, 8.0], [10.0, 8.0], [5.0, 8.0], [10.0, 8.0]], 0.8),
+    # prompt 1 slowest in the odd runs, prompt 2 in the even ones, each at par in the other half
+    ([[5.0, 10.0], [10.0, 5.0]], 1.0),
+    # one prompt slow everywhere
+    ([[9.0], [9.0]], 0.9)])
+def test_a_rows_slowest_prompt_held_out_is_chosen_on_half_the_runs_and_read_on_the_other(runs, worst):
+    """Against plain decoding at 10 tokens/s on every prompt and run: the lower of the two held-out
+    readings, so a prompt that is slow by chance in the runs that chose it reads at what it runs at."""
+    plain = [[10.0] * len(runs[0]) for _ in runs]
+    assert slowest_prompt_held_out(runs, plain) == pytest.approx(worst)
 
 
 def test_with_graphs_the_prior_times_a_replay_of_each_round(load):
