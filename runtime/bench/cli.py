@@ -485,9 +485,6 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
         r["worst_prompt_vs_ar"] = min(a / b for a, b in zip(r["per_prompt_tokens_per_s"],
                                                             plain["per_prompt_tokens_per_s"]) if b > 0)
         r["ratio_vs_" + backends[0]] = r["tokens_per_s"] / by[backends[0], r["setting"]]["tokens_per_s"]
-        if repeat > 1 and len(ids) > 1:
-            r["worst_prompt_vs_ar_held_out"] = slowest_prompt_held_out(r["per_prompt_tokens_per_s_by_run"],
-                                                                       plain["per_prompt_tokens_per_s_by_run"])
     reference = next(iter(outputs.values()))
     identical = all(o == reference for o in outputs.values())
     import platform
@@ -498,6 +495,9 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
               "max_new_tokens": max_new_tokens, "stops_at_eos": not ignore_eos, "machine": platform.machine(),
               "threads": torch.get_num_threads(), "artifacts": artifacts, "dtype": str(dtype)}
     if repeat > 1 and len(ids) > 1:
+        for r in rows:
+            r["worst_prompt_vs_ar_held_out"] = slowest_prompt_held_out(
+                r["per_prompt_tokens_per_s_by_run"], by[r["backend"], "ar"]["per_prompt_tokens_per_s_by_run"])
         report["plain_vs_itself_worst_prompt"] = {
             r["backend"]: plain_against_itself(r["per_prompt_tokens_per_s_by_run"]) for r in rows if r["mode"] == "ar"}
     if sweep is not None:
@@ -512,14 +512,23 @@ def run_bench(artifacts, model, drafter, backends, modes, tree_sizes, tree_kw, p
     return report
 
 
+def _halves(runs: list[list[float]]) -> tuple[range, range]:
+    """The odd runs and the even runs (1st, 3rd, ... and 2nd, 4th, ...), as indices."""
+    return range(0, len(runs), 2), range(1, len(runs), 2)
+
+
+def _mean_secs(runs: list[list[float]], half: range, j: int) -> float:
+    """Prompt j's seconds per token, averaged over the runs of half (runs: per run, each prompt's tokens/s)."""
+    return sum(1.0 / runs[k][j] for k in half if runs[k][j] > 0) / len(half)
+
+
 def plain_against_itself(runs: list[list[float]]) -> float:
     """The slowest prompt of plain decoding's odd runs against its even runs, either way round (runs: per
     run, each prompt's tokens/s): how far the machine alone moves a prompt's ratio between runs. A
     row's worst prompt near it says as much about the machine as about the row."""
-    halves = [runs[0::2], runs[1::2]]
     worst = 1.0
     for j in range(len(runs[0])):
-        secs = [sum(1.0 / run[j] for run in half if run[j] > 0) / len(half) for half in halves]
+        secs = [_mean_secs(runs, half, j) for half in _halves(runs)]
         if all(secs):
             worst = min(worst, secs[0] / secs[1], secs[1] / secs[0])
     return worst
@@ -530,14 +539,14 @@ def slowest_prompt_held_out(runs: list[list[float]], plain_runs: list[list[float
     its ratio in the even runs, and the reverse; the lower of the two readings (runs: per run, each
     prompt's tokens/s). The slowest of many prompts read on the runs that chose it picks the prompt
     where the noise fell against the row; read on other runs it says what that prompt runs at."""
-    halves = [range(0, len(runs), 2), range(1, len(runs), 2)]
 
     def ratio(half, j):  # plain decoding's time against the row's over those runs (same tokens)
-        row = sum(1.0 / runs[k][j] for k in half if runs[k][j] > 0)
-        return sum(1.0 / plain_runs[k][j] for k in half if plain_runs[k][j] > 0) / row if row else 1.0
+        row = _mean_secs(runs, half, j)
+        return _mean_secs(plain_runs, half, j) / row if row else 1.0
 
+    odd, even = _halves(runs)
     readings = []
-    for pick, read in (halves, halves[::-1]):
+    for pick, read in ((odd, even), (even, odd)):
         j = min(range(len(runs[0])), key=lambda j: ratio(pick, j))
         readings.append(ratio(read, j))
     return min(readings)
