@@ -7,7 +7,9 @@ keeps, per round, what every tree size of that family would have gained (hindsig
 are prefix-closed, setting.hindsight). ``run`` replays the rule
 (tuner/rule.py as it stands) over those rounds at given round times, with 10% jitter and a burst of
 twice the time in 5% of rounds, the prior off by a common -30%..+30% and by up to 8% per arm; and the
-fixed arms (plain decoding, N = 8 and 16) over the same rounds. A setting's round at token position p
+fixed arms (plain decoding, N = 8 and 16) over the same rounds. Each reply also pays its prefill, the
+same time for every setting (what the benchmark's per-prompt ratios include: on a short reply it
+brings them nearer 1). A setting's round at token position p
 gains what the recorded round that covers p gained at that size (acceptance is the text's: a round
 that starts inside a recorded one is taken to gain what that one gained).
 
@@ -18,14 +20,16 @@ that starts inside a recorded one is taken to gain what that one gained).
 ``gains`` sets tapes side by side, each size's tokens per round per set: a size's own run against
 what a larger tree's rounds say of it in hindsight (what the tuner learns).
 
-Round times are per machine profile (``--times``, repeatable); the defaults are the demo pair's on the
-development machine's two cores and on one core with one thread (the tuner's own per-round trace).
+Round and prefill times are per machine profile (``--times``, repeatable); the defaults are the demo
+pair's on the development machine's two cores and on one core with one thread (the tuner's own
+per-round trace; the prefill the mean over the held-out sets' prompts).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -43,20 +47,39 @@ M, K = FAMILY["treeflash"]
 TREES = [Setting("treeflash", n, M, K) for n in SIZES]
 ARMS = [PLAIN] + TREES
 FIXED = [PLAIN, TREES[1], TREES[2]]  # the protocol's fixed rows of the default family
-PROFILES = {"two cores": "ar=55,4=93,8=112,16=130,32=154,64=208",
-            "one core": "ar=67,4=127,8=160,16=165,32=207,64=330"}
+PROFILES = {"two cores": "ar=55,4=93,8=112,16=130,32=154,64=208,prefill=128",
+            "one core": "ar=67,4=127,8=160,16=165,32=207,64=330,prefill=165"}
 NO_PAY = 96  # rounds of a drafter that is never right (every tree gains one token), as a set of its own
 
 
-def parse_times(spec: str) -> dict[Setting, float]:
-    """'ar=55,4=93,...': plain decoding's step and each tree size's round, in ms."""
-    out = {}
+@dataclass(frozen=True)
+class Profile:
+    """A machine profile: plain decoding's step and each tree size's round (ms), and a reply's prefill
+    (ms, the same for every setting)."""
+
+    times: dict[Setting, float]
+    prefill_ms: float = 0.0
+
+
+def parse_profile(spec: str) -> Profile:
+    """'ar=55,4=93,...,64=208[,prefill=120]': plain decoding's step, each tree size's round and a reply's
+    prefill, in ms."""
+    times, prefill = {}, 0.0
     for part in spec.split(","):
         key, _, ms = part.partition("=")
-        out[PLAIN if key.strip() == "ar" else TREES[SIZES.index(int(key))]] = float(ms)
-    if set(out) != set(ARMS):
+        try:
+            if key.strip() == "prefill":
+                prefill = float(ms)
+            else:
+                times[PLAIN if key.strip() == "ar" else TREES[SIZES.index(int(key))]] = float(ms)
+        except ValueError:
+            raise click.BadParameter(f"{spec!r}: {part!r} is not NAME=MS (NAME: ar, prefill or a size of "
+                                     f"{SIZES})") from None
+    if set(times) != set(ARMS):
         raise click.BadParameter(f"{spec!r}: give ar and every size of {SIZES}")
-    return out
+    if prefill < 0 or min(times.values()) <= 0:
+        raise click.BadParameter(f"{spec!r}: times must be positive (the prefill may be 0)")
+    return Profile(times, prefill)
 
 
 class Tape:
@@ -82,10 +105,10 @@ class Tape:
 
 
 def play(tape: Tape, times: dict[Setting, float], seed: int, rule: Rule | None = None,
-         fixed: Setting | None = None) -> float:
-    """Tokens per second of the rule (or of a fixed setting) over the tape."""
+         fixed: Setting | None = None, prefill_ms: float = 0.0) -> float:
+    """Tokens per second of the rule (or of a fixed setting) over the tape, its prefill included."""
     rng = random.Random(seed)
-    pos = ms_total = 0.0
+    pos, ms_total = 0.0, prefill_ms
     j = 0
     while pos < tape.total:
         s, exploring = (fixed, False) if rule is None else rule.decide(1)
@@ -106,23 +129,24 @@ def new_rule(times: dict[Setting, float], seed: int) -> Rule:
     return Rule(ARMS, lambda b: prior, block_size=16)
 
 
-def replay(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds: int, again: bool) -> dict:
+def replay(tapes: dict[str, list[Tape]], profile: Profile, seeds: int, again: bool) -> dict:
     """Per set: the rule's tokens/s summed over prompts and seeds as a share of the best fixed arm's
     (chosen per prompt and seed, as the protocol's best row) and of plain decoding's, and the worst run."""
+    times, pre = profile.times, profile.prefill_ms
     out = {}
     for name, group in tapes.items():
         got = best = plain = 0.0
         worst = float("inf")
         for tape in group:
             for seed in range(seeds):
-                fixed = {s: play(tape, times, seed, fixed=s) for s in FIXED}
+                fixed = {s: play(tape, times, seed, fixed=s, prefill_ms=pre) for s in FIXED}
                 rule = new_rule(times, seed)
-                rate = play(tape, times, seed, rule)
+                rate = play(tape, times, seed, rule, prefill_ms=pre)
                 if again:  # a second process, from what the first measured (as the tuner's cache)
                     first, rule = rule, new_rule(times, seed)
                     load_rates(rule, rates_json(first))
                     rule.new_request()
-                    rate = play(tape, times, seed + 1000, rule)
+                    rate = play(tape, times, seed + 1000, rule, prefill_ms=pre)
                 top = max(fixed.values())
                 got, best, plain = got + rate, best + top, plain + fixed[PLAIN]
                 worst = min(worst, rate / top)
@@ -130,11 +154,12 @@ def replay(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds: int
     return out
 
 
-def replay_warm(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds: int, runs: int = 2) -> dict:
+def replay_warm(tapes: dict[str, list[Tape]], profile: Profile, seeds: int, runs: int = 2) -> dict:
     """As the held-out rows of the protocol: per set and seed, one rule over the set's prompts in turn
     (a warm-up over the first, then ``runs`` passes), each prompt a new request; per prompt, the rule's
     tokens/s over the passes against plain decoding's over the same rounds. Per set: the summed share
     of plain decoding's, the median over seeds of the slowest prompt's, and the slowest of all."""
+    times, pre = profile.times, profile.prefill_ms
     out = {}
     for name, group in tapes.items():
         rule_ms = plain_ms = 0.0
@@ -147,8 +172,8 @@ def replay_warm(tapes: dict[str, list[Tape]], times: dict[Setting, float], seeds
                 for j, tape in enumerate(group):
                     rule.new_request()
                     at = 1000 * seed + 100 * r + j + 1
-                    took[j][0] += 1000.0 * tape.total / play(tape, times, at, rule)
-                    took[j][1] += 1000.0 * tape.total / play(tape, times, at, fixed=PLAIN)
+                    took[j][0] += 1000.0 * tape.total / play(tape, times, at, rule, prefill_ms=pre)
+                    took[j][1] += 1000.0 * tape.total / play(tape, times, at, fixed=PLAIN, prefill_ms=pre)
             rule_ms += sum(t[0] for t in took)  # both decode the same tokens: the rates' ratio is the times'
             plain_ms += sum(t[1] for t in took)
             slowest.append(min(p / a for a, p in took))
@@ -235,7 +260,8 @@ def record(out, heldout, max_new_tokens, tree_size):
 @main.command()
 @click.argument("gains", type=click.Path(exists=True, dir_okay=False))
 @click.option("--times", "profiles", multiple=True,
-              help="A machine profile's round times in ms, 'ar=55,4=93,8=112,16=130,32=154,64=208' (repeatable; "
+              help="A machine profile's round times and a reply's prefill in ms, "
+                   "'ar=55,4=93,8=112,16=130,32=154,64=208,prefill=120' (repeatable; prefill optional, 0 if left out; "
                    "default: the demo pair's on two cores and on one core).")
 @click.option("--seeds", default=20, show_default=True, help="Runs per prompt (jitter, bursts and the prior's error).")
 @click.option("--again", is_flag=True, help="Each run from what a first run over the same prompt measured.")
@@ -250,9 +276,9 @@ def run(gains, profiles, seeds, again, warm, as_json):
     tapes = load_tapes(Path(gains))
     if any(t.top != SIZES[-1] for group in tapes.values() for t in group):
         raise click.UsageError(f"{gains}: recorded with a smaller tree; `run` replays a tape of N = {SIZES[-1]}")
-    named = {p: parse_times(p) for p in profiles} or {k: parse_times(v) for k, v in PROFILES.items()}
-    res = {name: replay_warm(tapes, times, seeds) if warm else replay(tapes, times, seeds, again)
-           for name, times in named.items()}
+    named = {p: parse_profile(p) for p in profiles} or {k: parse_profile(v) for k, v in PROFILES.items()}
+    res = {name: replay_warm(tapes, prof, seeds) if warm else replay(tapes, prof, seeds, again)
+           for name, prof in named.items()}
     if as_json:
         click.echo(json.dumps(res))
         return

@@ -9,8 +9,8 @@ import pytest
 
 from treeflash_export.config import TreeConfig
 from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, summary
-from treeflash_runtime.bench.replay import (PLAIN, PROFILES, SIZES, TREES, Recorder, Tape, main, mean_gains,
-                                           parse_times, replay, replay_warm)
+from treeflash_runtime.bench.replay import (PLAIN, PROFILES, SIZES, TREES, Profile, Recorder, Tape, main,
+                                           mean_gains, parse_profile, play, replay, replay_warm)
 from treeflash_runtime.plan import NodeReport, RoundReport
 
 
@@ -58,11 +58,16 @@ def test_a_replayed_round_gains_what_the_recorded_round_covering_its_position_ga
 
 
 def test_replay_times_name_every_arm_and_where_no_tree_pays_plain_decoding_is_the_best_fixed_arm():
-    assert set(parse_times(PROFILES["one core"])) == {PLAIN, *TREES}
-    with pytest.raises(click.BadParameter):
-        parse_times("ar=10,4=20")
+    for spec in PROFILES.values():
+        prof = parse_profile(spec)
+        assert set(prof.times) == {PLAIN, *TREES} and prof.prefill_ms > 0
+    assert parse_profile("ar=1,4=2,8=3,16=4,32=5,64=6").prefill_ms == 0.0  # the prefill may be left out
+    for bad in ("ar=10,4=20", "ar=1,4=2,8=3,16=4,32=5,64=6,prefill=-1", "ar=1,4=2,8=3,16=4,32=5,64=6,7=1",
+                "ar=1,4=2,8=3,16=4,32=5,64=x"):
+        with pytest.raises(click.BadParameter):
+            parse_profile(bad)
     never = {"no tree pays": [Tape([{str(n): 1.0 for n in SIZES}] * 40)]}
-    res = replay(never, parse_times(PROFILES["two cores"]), seeds=2, again=False)["no tree pays"]
+    res = replay(never, parse_profile(PROFILES["two cores"]), seeds=2, again=False)["no tree pays"]
     assert res["x_best"] == pytest.approx(res["x_plain"]) and 0.0 < res["x_plain"] <= 1.0
 
 
@@ -72,8 +77,20 @@ def test_the_warm_replay_runs_one_rule_over_a_sets_prompts_and_finds_the_slowest
     at most as fast as plain decoding (every tree round there is a loss)."""
     rich = Tape([{"4": 3.0, "8": 5.0, "16": 6.0, "32": 6.0, "64": 6.0}] * 30)
     never = Tape([{str(n): 1.0 for n in SIZES}] * 40)
-    res = replay_warm({"set": [rich, rich, never]}, parse_times(PROFILES["two cores"]), seeds=3)["set"]
+    res = replay_warm({"set": [rich, rich, never]}, parse_profile(PROFILES["two cores"]), seeds=3)["set"]
     assert res["x_plain"] > 1.2 and res["slowest_prompt"] <= res["slowest_prompt_median"] <= 1.0
+
+
+def test_a_replayed_reply_pays_its_prefill_once_whatever_the_setting():
+    """The prefill every setting shares adds the same time to a reply: a fixed arm's rate is its tokens
+    over the rounds' time plus the prefill, and a ratio of two settings moves towards 1."""
+    tape = Tape([{"4": 3.0, "8": 4.0, "16": 4.0, "32": 4.0, "64": 4.0}] * 5)  # 20 tokens
+    times = {PLAIN: 10.0, **{t: 20.0 for t in TREES}}
+    bare = {s: play(tape, times, 0, fixed=s) for s in (PLAIN, TREES[1])}
+    paid = {s: play(tape, times, 0, fixed=s, prefill_ms=100.0) for s in (PLAIN, TREES[1])}
+    for s in bare:  # the same seed draws the same round times: the prefill adds exactly 100 ms
+        assert 1000.0 * 20.0 / paid[s] == pytest.approx(1000.0 * 20.0 / bare[s] + 100.0)
+    assert bare[TREES[1]] / bare[PLAIN] > paid[TREES[1]] / paid[PLAIN] > 1.0
 
 
 def test_the_recorder_keeps_each_rounds_gain_at_every_size_of_the_family_and_starts_afresh_per_generation():
