@@ -104,11 +104,12 @@ class Tape:
         return {t: float(self.rounds[j][str(t.tree_size)]) for t in TREES if t.tree_size <= s.tree_size}, j
 
 
-def play(tape: Tape, times: dict[Setting, float], seed: int, rule: Rule | None = None,
-         fixed: Setting | None = None, prefill_ms: float = 0.0) -> float:
-    """Tokens per second of the rule (or of a fixed setting) over the tape, its prefill included."""
+def play(tape: Tape, profile: Profile, seed: int, rule: Rule | None = None, fixed: Setting | None = None) -> float:
+    """Tokens per second of the rule (or of a fixed setting) over the tape at the profile's times, its
+    prefill included."""
     rng = random.Random(seed)
-    pos, ms_total = 0.0, prefill_ms
+    times = profile.times
+    pos, ms_total = 0.0, profile.prefill_ms
     j = 0
     while pos < tape.total:
         s, exploring = (fixed, False) if rule is None else rule.decide(1)
@@ -132,21 +133,20 @@ def new_rule(times: dict[Setting, float], seed: int) -> Rule:
 def replay(tapes: dict[str, list[Tape]], profile: Profile, seeds: int, again: bool) -> dict:
     """Per set: the rule's tokens/s summed over prompts and seeds as a share of the best fixed arm's
     (chosen per prompt and seed, as the protocol's best row) and of plain decoding's, and the worst run."""
-    times, pre = profile.times, profile.prefill_ms
     out = {}
     for name, group in tapes.items():
         got = best = plain = 0.0
         worst = float("inf")
         for tape in group:
             for seed in range(seeds):
-                fixed = {s: play(tape, times, seed, fixed=s, prefill_ms=pre) for s in FIXED}
-                rule = new_rule(times, seed)
-                rate = play(tape, times, seed, rule, prefill_ms=pre)
+                fixed = {s: play(tape, profile, seed, fixed=s) for s in FIXED}
+                rule = new_rule(profile.times, seed)
+                rate = play(tape, profile, seed, rule)
                 if again:  # a second process, from what the first measured (as the tuner's cache)
-                    first, rule = rule, new_rule(times, seed)
+                    first, rule = rule, new_rule(profile.times, seed)
                     load_rates(rule, rates_json(first))
                     rule.new_request()
-                    rate = play(tape, times, seed + 1000, rule, prefill_ms=pre)
+                    rate = play(tape, profile, seed + 1000, rule)
                 top = max(fixed.values())
                 got, best, plain = got + rate, best + top, plain + fixed[PLAIN]
                 worst = min(worst, rate / top)
@@ -159,21 +159,20 @@ def replay_warm(tapes: dict[str, list[Tape]], profile: Profile, seeds: int, runs
     (a warm-up over the first, then ``runs`` passes), each prompt a new request; per prompt, the rule's
     tokens/s over the passes against plain decoding's over the same rounds. Per set: the summed share
     of plain decoding's, the median over seeds of the slowest prompt's, and the slowest of all."""
-    times, pre = profile.times, profile.prefill_ms
     out = {}
     for name, group in tapes.items():
         rule_ms = plain_ms = 0.0
         slowest = []
         for seed in range(seeds):
-            rule = new_rule(times, seed)
-            play(group[0], times, 1000 * seed, rule)
+            rule = new_rule(profile.times, seed)
+            play(group[0], profile, 1000 * seed, rule)
             took = [[0.0, 0.0] for _ in group]  # per prompt: the rule's ms, plain decoding's ms
             for r in range(runs):
                 for j, tape in enumerate(group):
                     rule.new_request()
                     at = 1000 * seed + 100 * r + j + 1
-                    took[j][0] += 1000.0 * tape.total / play(tape, times, at, rule, prefill_ms=pre)
-                    took[j][1] += 1000.0 * tape.total / play(tape, times, at, fixed=PLAIN, prefill_ms=pre)
+                    took[j][0] += 1000.0 * tape.total / play(tape, profile, at, rule)
+                    took[j][1] += 1000.0 * tape.total / play(tape, profile, at, fixed=PLAIN)
             rule_ms += sum(t[0] for t in took)  # both decode the same tokens: the rates' ratio is the times'
             plain_ms += sum(t[1] for t in took)
             slowest.append(min(p / a for a, p in took))

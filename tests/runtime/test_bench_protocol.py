@@ -86,8 +86,8 @@ def test_a_replayed_reply_pays_its_prefill_once_whatever_the_setting():
     over the rounds' time plus the prefill, and a ratio of two settings moves towards 1."""
     tape = Tape([{"4": 3.0, "8": 4.0, "16": 4.0, "32": 4.0, "64": 4.0}] * 5)  # 20 tokens
     times = {PLAIN: 10.0, **{t: 20.0 for t in TREES}}
-    bare = {s: play(tape, times, 0, fixed=s) for s in (PLAIN, TREES[1])}
-    paid = {s: play(tape, times, 0, fixed=s, prefill_ms=100.0) for s in (PLAIN, TREES[1])}
+    bare = {s: play(tape, Profile(times), 0, fixed=s) for s in (PLAIN, TREES[1])}
+    paid = {s: play(tape, Profile(times, prefill_ms=100.0), 0, fixed=s) for s in (PLAIN, TREES[1])}
     for s in bare:  # the same seed draws the same round times: the prefill adds exactly 100 ms
         assert 1000.0 * 20.0 / paid[s] == pytest.approx(1000.0 * 20.0 / bare[s] + 100.0)
     assert bare[TREES[1]] / bare[PLAIN] > paid[TREES[1]] / paid[PLAIN] > 1.0
