@@ -10,7 +10,7 @@ import pytest
 from treeflash_export.config import TreeConfig
 from treeflash_runtime.bench.protocol import held_out_ratios, median_rows, summary
 from treeflash_runtime.bench.replay import (PLAIN, PROFILES, SIZES, TREES, Profile, Recorder, Tape, main,
-                                           mean_gains, parse_profile, play, replay, replay_warm)
+                                           mean_gains, parse_profile, play, replay, replay_warm, run_spread)
 from treeflash_runtime.plan import NodeReport, RoundReport
 
 
@@ -195,3 +195,35 @@ def test_the_slot_rows_give_each_row_against_plain_decoding_with_its_runs_spread
     assert "request slots: 16 requests of 64 tokens, the median of 3 runs; outputs identical True" in text
     assert "c=8: 98.0 tok/s, 0.98x plain (run by run 0.97x to 1.02x)" in text
     assert "c=8: 100.0 tok/s, 1.00x plain\n" in text + "\n"
+
+
+@pytest.mark.parametrize("ratios, worst, tenth, short", [
+    ([1.0] * 20, 1.0, 1.0, 0.0),
+    ([0.7, 0.85] + [1.0] * 18, 0.7, 0.85, 0.1),  # a tenth of 20 runs: the second worst
+    ([0.95, 0.89, 0.9, 1.1], 0.89, 0.89, 0.25),  # under ten runs: the worst; 0.9 itself is not short
+    ([0.8] * 5 + [1.0] * 95, 0.8, 1.0, 0.05),  # of a hundred runs: the tenth worst
+    ([0.8] * 9 + [1.0] * 91, 0.8, 1.0, 0.09),
+    ([0.8] * 10 + [0.95] + [1.0] * 89, 0.8, 0.8, 0.1),
+    ([0.8] * 9 + [0.95] + [1.0] * 90, 0.8, 0.95, 0.09),
+])
+def test_the_replay_reports_how_runs_spread_the_worst_the_tenth_and_the_share_that_fell_short(ratios, worst,
+                                                                                              tenth, short):
+    assert run_spread(ratios) == {"worst_x_best": worst, "tenth_x_best": tenth, "short_share": pytest.approx(short)}
+
+
+def test_a_set_of_one_prompt_runs_as_often_as_the_largest_set():
+    """Seeds are per prompt: the demo prompt alone would count 20 runs where a set of ten counts 200, and a
+    lock-in on a fifth of runs would hang on four seeds."""
+    rich = Tape([{"4": 3.0, "8": 5.0, "16": 6.0, "32": 6.0, "64": 6.0}] * 10)
+    seen = []
+
+    class Counting(Tape):
+        def gains(self, s, pos, j):
+            if pos == 0.0:
+                seen.append(id(self))
+            return super().gains(s, pos, j)
+
+    one, three = Counting(rich.rounds), [Counting(rich.rounds) for _ in range(3)]
+    replay({"one": [one], "three": three}, parse_profile(PROFILES["two cores"]), seeds=2, again=False)
+    runs = {t: seen.count(id(t)) for t in (one, *three)}  # each run starts once per setting played
+    assert runs[one] == 3 * runs[three[0]] == 3 * runs[three[2]]
