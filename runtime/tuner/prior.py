@@ -9,9 +9,13 @@ The probe protocol (the runner implements it; nothing here touches a tensor):
                                                             one whole round at that setting (tree: the
                                                             config the tuner's plans carry for it)
 
-Each time is the median of a few calls after a warm-up call. The plain step is timed before and
-after the rounds: when the two differ by more than STEADY_DRIFT the machine's speed changed meanwhile
-(another job?), and the prior serves this process only.
+Each time is the median of a few calls after a warm-up call. The trees' timed calls take turns
+(one call of each, then the next call of each): a burst of another job's work then slows one call
+of several trees, which their medians drop, not every call of one tree, which its median would
+keep (in one probe on a busy machine the 32-node tree's round came out 60% slow, the others about
+30%). The
+plain step is timed before and after the rounds: when the two differ by more than STEADY_DRIFT the
+machine's speed changed meanwhile (another job?), and the prior serves this process only.
 """
 
 from __future__ import annotations
@@ -43,19 +47,23 @@ def measure_prior(probe: Probe, b: int, arms: list[Setting], log: Callable[[str]
     """({arm: ms per round} for bucket b, steady): plain decoding's step and each tree's whole round.
     tree(setting) -> the TreeConfig the rounds will run (a probe on a graph runner keeps that
     round's graph for them)."""
-    out: dict[Setting, float] = {}
     trees = [s for s in arms if s.mode != "ar"]
+    params = {s: {"setting": s} if tree is None else {"setting": s, "tree": tree(s)} for s in trees}
     plain_first = 1000.0 * time_median(probe, "ar", b, {}, repeats)
-    for i, s in enumerate(trees, 1):
+    for i, s in enumerate(trees, 1):  # each tree's warm-up call (kernels compile, a graph is captured)
         if log:
             log(f"tuning: timing a round of {s.label()}{f' for {b} slots' if b > 1 else ''} ({i}/{len(trees)})")
         t0 = time.perf_counter()
-        params = {"setting": s} if tree is None else {"setting": s, "tree": tree(s)}
-        out[s] = 1000.0 * time_median(probe, "round", b, params, repeats)
+        probe.time_part("round", b, **params[s])
         if log and time.perf_counter() - t0 > SLOW_PART_S:
-            log(f"tuning: {s.label()} took {time.perf_counter() - t0:.1f} s to time ({max(1, repeats) + 1} rounds; "
-                f"where kernels compile or a graph is captured, the first call does it, and compiled kernels are "
-                f"cached for later runs)")
+            log(f"tuning: the first round of {s.label()} took {time.perf_counter() - t0:.1f} s (where kernels "
+                f"compile or a graph is captured, the first call does it, and compiled kernels are cached for "
+                f"later runs)")
+    calls: dict[Setting, list[float]] = {s: [] for s in trees}
+    for _ in range(max(1, repeats)):  # the timed calls take turns
+        for s in trees:
+            calls[s].append(float(probe.time_part("round", b, **params[s])))
+    out = {s: 1000.0 * statistics.median(v) for s, v in calls.items()}
     plain_last = 1000.0 * time_median(probe, "ar", b, {}, repeats) if trees else plain_first
     out[PLAIN] = min(plain_first, plain_last)
     steady = max(plain_first, plain_last) <= STEADY_DRIFT * min(plain_first, plain_last)

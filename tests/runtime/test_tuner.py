@@ -59,6 +59,30 @@ def test_the_prior_times_plain_decoding_and_every_trees_whole_round():
     assert len(lines) == len(ARMS[1:]) and lines[0].startswith("tuning: timing a round of chain")
 
 
+class BurstyProbe(FakeProbe):
+    """FakeProbe, with the tree rounds' timed calls from the ``start``-th on, ``length`` of them, 3x slow
+    (another job's burst); the first call of each tree is its warm-up."""
+
+    def __init__(self, start: int, length: int, trees: int):
+        super().__init__()
+        self.window, self.trees = range(start, start + length), trees
+
+    def time_part(self, part, b, **params):
+        t = super().time_part(part, b, **params)
+        timed = sum(1 for p, _, _ in self.calls if p == "round") - self.trees - 1  # this call's index (-1: warm-up)
+        return 3.0 * t if part == "round" and timed in self.window else t
+
+
+@pytest.mark.parametrize("start", range(10))
+def test_a_burst_as_long_as_the_repeats_moves_no_trees_time_wherever_it_falls(start):
+    """The timed calls take turns, so the burst's three calls fall on three trees, one each: every
+    median drops it. (Timed back to back, one tree would take all three and its median with them.)"""
+    trees = len(ARMS) - 1
+    prior, steady = measure_prior(BurstyProbe(start, 3, trees), 1, ARMS)
+    assert steady and {s: round(ms, 6) for s, ms in prior.items() if s != PLAIN} == {
+        s: 20.0 + s.tree_size for s in ARMS[1:]}
+
+
 def test_a_prior_timed_while_the_machine_changed_speed_is_not_steady():
     prior, steady = measure_prior(FakeProbe(drift=STEADY_DRIFT * 1.2), 1, ARMS)
     assert not steady and prior[PLAIN] == pytest.approx(10.0)  # the faster of the two plain timings
