@@ -28,6 +28,7 @@ per-round trace; the prefill the mean over the held-out sets' prompts).
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +154,7 @@ def replay(tapes: dict[str, list[Tape]], profile: Profile, seeds: int, again: bo
         got = best = plain = 0.0
         ratios = []
         for tape in group:
-            for seed in range(seeds * -(-most // len(group))):
+            for seed in range(seeds * math.ceil(most / len(group))):
                 fixed = {s: play(tape, profile, seed, fixed=s) for s in FIXED}
                 rule = new_rule(profile.times, seed)
                 rate = play(tape, profile, seed, rule)

@@ -13,9 +13,9 @@ Each time is the median of a few calls after a warm-up call. The trees' timed ca
 (one call of each, then the next call of each): a burst of another job's work then slows one call
 of several trees, which their medians drop, not every call of one tree, which its median would
 keep (in one probe on a busy machine the 32-node tree's round came out 60% slow, the others about
-30%). The
-plain step is timed before and after the rounds: when the two differ by more than STEADY_DRIFT the
-machine's speed changed meanwhile (another job?), and the prior serves this process only.
+30%). The plain step is timed before and after the rounds: when the two differ by more than
+STEADY_DRIFT the machine's speed changed meanwhile (another job?), and the prior serves this process
+only.
 """
 
 from __future__ import annotations
